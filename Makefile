@@ -1,0 +1,43 @@
+# One entry point for humans and CI. `make test` on a fresh machine creates .venv,
+# installs the pinned CPU torch and the project, then runs the fast suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+CHECKPOINT ?= checkpoints/shakespeare
+# Offline GPT-2 ranks for tests where the team's shared cache exists (users' machines download them).
+SHARED_TIKTOKEN := $(abspath ../shared/tiktoken)
+ifneq ($(wildcard $(SHARED_TIKTOKEN)),)
+export TIKTOKEN_CACHE_DIR ?= $(SHARED_TIKTOKEN)
+endif
+
+.PHONY: install test test-slow lint serve bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# pinned: an unpinned torch pulls the newest multi-GB CUDA build
+	$(PY) -m pip install "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -m "not slow" -q
+
+test-slow: install
+	$(PY) -m pytest -m slow -q
+
+lint: install
+	$(PY) -m ruff check .
+
+serve: install
+	$(PY) -m app --checkpoint $(CHECKPOINT)
+
+bench: install
+	$(PY) -m bench.decode
+	$(PY) -m bench.train
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,186 @@
+"""Generation: prefill, decode step, per-sequence state, and a batch loop.
+
+The split follows gpt-fast: `prefill` runs a whole prompt into a KV-cache slot
+(in chunks, so a server can interleave them with decode steps), `decode_step`
+runs one token for every active slot at once. `Sequence` owns everything that is
+per request (sampling params, random stream, seen tokens, streaming detokenizer,
+stop strings, finish reason), so a scheduler only moves token ids around.
+`generate` / `stream_generate` drive a fixed batch of prompts to completion; the
+HTTP server uses the same pieces with requests joining and leaving between steps.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from model.gpt import GPT
+from model.kv_cache import ContextLengthError, KVCache
+from model.sampling import SamplingParams, sample_next
+from model.stopping import FinishReason, StopMatcher
+from model.tokenizer import Tokenizer
+
+
+def check_context(n_prompt: int, max_new_tokens: int, block_size: int) -> None:
+    """Refuse a request that cannot fit: its prompt plus every token it may generate must fit in the context."""
+    if n_prompt < 1:
+        raise ContextLengthError("the prompt is empty: at least one token is needed")
+    if n_prompt + max_new_tokens > block_size:
+        raise ContextLengthError(
+            f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {n_prompt + max_new_tokens} "
+            f"exceeds the model's context length of {block_size} tokens"
+        )
+
+
+@torch.inference_mode()
+def prefill(model: GPT, cache: KVCache, slot: int, tokens: list[int] | torch.Tensor,
+            chunk_size: int | None = None) -> torch.Tensor:
+    """Run a prompt into an empty or partly filled slot; returns the logits after its last token (vocab,)."""
+    idx = torch.as_tensor(tokens, dtype=torch.long, device=cache.device).view(1, -1)
+    cache.check_room(slot, idx.size(1))
+    chunk = chunk_size or idx.size(1)
+    for start in range(0, idx.size(1), chunk):
+        logits = model.forward_cached(idx[:, start:start + chunk], cache, [slot])
+    return logits[0]
+
+
+@torch.inference_mode()
+def decode_step(model: GPT, cache: KVCache, slots: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    """One new token (B,) for each slot → next-token logits (B, vocab)."""
+    return model.forward_cached(tokens.view(-1, 1), cache, slots)
+
+
+@dataclass
+class TokenEvent:
+    """One generated token as a client sees it."""
+
+    id: int
+    text: str  # text released by this token (may be "" while a character or stop string is pending)
+    logprob: float
+    special: bool = False  # <|endoftext|>: reported, but not part of the generated text
+    finish_reason: FinishReason | None = None  # set on the last token of the sequence
+
+
+@dataclass
+class Sequence:
+    """Per-request generation state."""
+
+    prompt: list[int]
+    params: SamplingParams
+    tokenizer: Tokenizer
+    tokens: list[int] = field(default_factory=list)
+    events: list[TokenEvent] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.params.validate()
+        # a seed is always chosen up front and reported, so any result can be reproduced
+        self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.presence: torch.Tensor | None = None
+        if self.params.repetition_penalty != 1.0:
+            self.presence = torch.zeros(self.tokenizer.vocab_size, dtype=torch.bool)
+            self.presence[torch.tensor(self.prompt, dtype=torch.long)] = True
+        self._detok = self.tokenizer.stream_decoder()
+        self._stops = StopMatcher(self.params.stop)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events if not e.special)
+
+    def append(self, token_id: int, logprob: float) -> TokenEvent:
+        """Record a sampled token, release the text it completes and decide whether the sequence is done."""
+        self.tokens.append(token_id)
+        if self.presence is not None:
+            self.presence[token_id] = True
+        if token_id == self.tokenizer.eot_id and self.params.stop_at_eos:
+            # the special token itself adds no text; release anything still held back
+            ev = TokenEvent(token_id, self._detok.flush() + self._stops.flush(), logprob, special=True,
+                            finish_reason=FinishReason.EOS)
+        else:
+            piece = self._detok.feed(token_id)
+            at_limit = len(self.tokens) >= self.params.max_new_tokens
+            if at_limit:
+                piece += self._detok.flush()
+            text, stopped = self._stops.feed(piece)
+            ev = TokenEvent(token_id, text, logprob)
+            if stopped:
+                ev.finish_reason = FinishReason.STOP
+            elif at_limit:
+                ev.text += self._stops.flush()
+                ev.finish_reason = FinishReason.LENGTH
+        self.finish_reason = ev.finish_reason
+        self.events.append(ev)
+        return ev
+
+
+def _sample(model_logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, float]]:
+    presence = None
+    if any(s.presence is not None for s in seqs):
+        presence = torch.stack([s.presence if s.presence is not None
+                                else torch.zeros(model_logits.size(-1), dtype=torch.bool) for s in seqs])
+        presence = presence.to(model_logits.device)
+    tokens, logprobs = sample_next(model_logits, [s.params for s in seqs], [s.generator for s in seqs], presence)
+    # one device→host copy per step for the whole batch
+    return list(zip(tokens.tolist(), logprobs.tolist()))
+
+
+def sample_into(logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenEvent]:
+    """Sample one token for each sequence from its row of logits (B, vocab) and append it."""
+    return [s.append(t, lp) for s, (t, lp) in zip(seqs, _sample(logits, seqs))]
+
+
+def make_sequences(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],
+                   params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+    """Validate each request (parameters, context length) and build its state."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} parameter sets")
+    for p, sp in zip(prompts, params):
+        sp.validate()
+        check_context(len(p), sp.max_new_tokens, model.config.block_size)
+    return [Sequence(list(p), sp, tokenizer) for p, sp in zip(prompts, params)]
+
+
+def run_batch(model: GPT, seqs: list[Sequence], prefill_chunk: int | None = None,
+              ) -> Iterator[tuple[int, TokenEvent]]:
+    """Drive sequences to completion together; yields (index, event) as tokens arrive.
+
+    Every sequence gets its own cache slot; finished ones leave the batch, so each
+    decode step runs only the live ones.
+    """
+    param = next(model.parameters())
+    max_len = max(len(s.prompt) + s.params.max_new_tokens for s in seqs)
+    cache = KVCache(model.config, len(seqs), max_len, dtype=param.dtype, device=param.device)
+    for i, seq in enumerate(seqs):
+        logits = prefill(model, cache, i, seq.prompt, prefill_chunk)
+        yield i, sample_into(logits[None], [seq])[0]
+    while live := [i for i, s in enumerate(seqs) if not s.done]:
+        last = torch.tensor([seqs[i].tokens[-1] for i in live], device=param.device)
+        logits = decode_step(model, cache, live, last)
+        for i, ev in zip(live, sample_into(logits, [seqs[i] for i in live])):
+            yield i, ev
+
+
+def stream_generate(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],
+                    params: SamplingParams | list[SamplingParams],
+                    prefill_chunk: int | None = None) -> Iterator[tuple[int, TokenEvent]]:
+    """Generate for a batch of prompts together, yielding (prompt index, event) per token."""
+    yield from run_batch(model, make_sequences(model, tokenizer, prompts, params), prefill_chunk)
+
+
+def generate(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],
+             params: SamplingParams | list[SamplingParams], prefill_chunk: int | None = None) -> list[Sequence]:
+    """Generate for a batch of prompts together; returns the finished sequences in prompt order."""
+    seqs = make_sequences(model, tokenizer, prompts, params)
+    for _ in run_batch(model, seqs, prefill_chunk):
+        pass
+    return seqs

@@ -1,0 +1,1 @@
+"""Training utilities: tokenizer training, data preparation and the training loop."""

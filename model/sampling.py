@@ -110,7 +110,11 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], generators: 
         probs = torch.softmax(vals, dim=-1)
         # Exponential race (argmax p / E, E ~ Exp(1)) is an exact categorical sample, never picks a
         # zero-probability token and needs no cumsum; the noise comes from each row's own generator.
-        noise = torch.stack([torch.empty(probs.size(1)).exponential_(generator=generators[i]) for i in sampled])
+        # Every row draws a full vocabulary of noise and keeps the first K (by rank): K depends on the
+        # other rows of the batch, and drawing only K would make a seeded row's random stream (and so
+        # its tokens) depend on who it shares the batch with.
+        V = logits.size(-1)
+        noise = torch.stack([torch.empty(V).exponential_(generator=generators[i])[: probs.size(1)] for i in sampled])
         choice = torch.argmax(probs / noise.to(device), dim=-1, keepdim=True)
         tokens[rows] = ids.gather(1, choice).squeeze(1)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)

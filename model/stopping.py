@@ -6,10 +6,10 @@ of text shows whether it is; the stop string itself is never released.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     LENGTH = "length"  # max_new_tokens reached
     EOS = "eos_token"  # the model produced <|endoftext|>
     STOP = "stop_sequence"  # a stop string appeared in the text

@@ -1,0 +1,134 @@
+"""The cached decode path against full recompute, in every config variant, alone and batched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.config import GPTConfig
+from model.generate import decode_step, generate, prefill
+from model.gpt import GPT
+from model.kv_cache import ContextLengthError, KVCache
+from model.sampling import SamplingParams
+from tests.conftest import tiny_model
+
+VARIANTS = [
+    {},
+    {"norm": "post"},
+    {"activation": "relu"},
+    {"position": "sinusoidal"},
+    {"bias": False},
+    {"norm": "post", "activation": "relu", "position": "sinusoidal"},
+]
+
+
+def greedy_recompute(model: GPT, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Reference: rerun the whole sequence for every new token."""
+    ids, all_logits = list(prompt), []
+    for _ in range(n):
+        logits, _ = model(torch.tensor([ids]))
+        all_logits.append(logits[0, -1])
+        ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt):], all_logits
+
+
+def greedy_cached(model: GPT, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    cache = KVCache(model.config, n_slots=3)
+    slot = 2  # not slot 0, to catch indexing that assumes it
+    logits = prefill(model, cache, slot, prompt, chunk_size=5)  # chunked prefill as the server does it
+    out, all_logits = [], []
+    for _ in range(n):
+        all_logits.append(logits)
+        out.append(int(logits.argmax()))
+        logits = decode_step(model, cache, [slot], torch.tensor([out[-1]]))[0]
+    return out, all_logits
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) or "gpt2")
+@pytest.mark.parametrize("prompt_len", [1, 7, 23])
+def test_cached_decode_matches_full_recompute(variant, prompt_len):
+    model = tiny_model(seed=prompt_len, **variant)
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref_tokens, ref_logits = greedy_recompute(model, prompt.tolist(), 20)
+        got_tokens, got_logits = greedy_cached(model, prompt.tolist(), 20)
+    assert got_tokens == ref_tokens
+    for a, b in zip(got_logits, ref_logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_cache_slots_are_independent_and_reusable():
+    model = tiny_model()
+    cache = KVCache(model.config, n_slots=2)
+    a, b = [5, 6, 7, 8, 9], [100, 3]
+    la = prefill(model, cache, 0, a)
+    prefill(model, cache, 1, b)  # filling another slot must not disturb slot 0
+    cache.reset(0)
+    la2 = prefill(model, cache, 0, a)  # a reset slot is reused from scratch
+    torch.testing.assert_close(la, la2, rtol=0, atol=1e-6)
+    assert cache.lengths == [5, 2]
+
+
+def test_context_overflow_is_refused():
+    model = tiny_model()  # block_size 64
+    cache = KVCache(model.config, n_slots=1)
+    prefill(model, cache, 0, list(range(60)))
+    with pytest.raises(ContextLengthError, match="context length"):
+        prefill(model, cache, 0, list(range(10)))
+    with pytest.raises(ContextLengthError, match="exceeds the model's context length of 64"):
+        generate(model, _tok(), [[1] * 60], SamplingParams(max_new_tokens=5, temperature=0))
+
+
+def _tok():
+    import tiktoken
+
+    from model.tokenizer import EOT, GPT2_PATTERN, Tokenizer
+
+    ranks = {bytes([i]): i for i in range(256)}
+    enc = tiktoken.Encoding("bytes", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={EOT: 256})
+    return Tokenizer(enc, {"type": "tiktoken_file", "file": "bytes.tiktoken"})
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_new_tokens=12, temperature=0),
+    SamplingParams(max_new_tokens=12, temperature=0.9, top_k=40, seed=7),
+    SamplingParams(max_new_tokens=12, temperature=1.2, top_p=0.9, repetition_penalty=1.3, seed=11),
+], ids=["greedy", "seeded-top-k", "seeded-top-p-penalty"])
+def test_batch_gives_each_prompt_its_solo_result(params):
+    model = tiny_model(vocab_size=257)
+    tok = _tok()
+    prompts = [tok.encode(t) for t in ["hello", "a much longer prompt than the others", "x", "to be or not"]]
+    batched = generate(model, tok, prompts, params)
+    for p, seq in zip(prompts, batched):
+        solo = generate(model, tok, [p], params)[0]
+        assert seq.tokens == solo.tokens
+        assert [e.logprob for e in seq.events] == pytest.approx([e.logprob for e in solo.events], abs=1e-5)
+
+
+def test_seed_reproduces_and_differs():
+    model = tiny_model(vocab_size=257)
+    tok = _tok()
+    p = [tok.encode("seed test")]
+    run = lambda seed: generate(model, tok, p, SamplingParams(max_new_tokens=20, temperature=1.5, seed=seed))[0]
+    assert run(1).tokens == run(1).tokens
+    assert run(1).tokens != run(2).tokens
+    unseeded = generate(model, tok, p, SamplingParams(max_new_tokens=20, temperature=1.5))[0]
+    assert run(unseeded.seed).tokens == unseeded.tokens  # the reported seed reproduces the result
+
+
+def test_params_and_config_validation_name_the_field():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0).validate()
+    with pytest.raises(ValueError, match="n_embd .* divisible by n_head"):
+        GPTConfig(n_embd=10, n_head=3)
+    with pytest.raises(ValueError, match="norm must be one of"):
+        GPTConfig(norm="sandwich")
+    with pytest.raises(ValueError, match="unknown GPTConfig keys"):
+        GPTConfig.from_dict({"n_layers": 3})
+
+
+def test_gpt2_preset_parameter_count():
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset("gpt2"))
+    assert model.num_params() == 124_439_808 - 1024 * 768  # GPT-2 small, tied head, without positions
+    assert model.lm_head.weight is model.transformer.wte.weight

@@ -41,7 +41,8 @@ class Tokenizer:
             enc = tiktoken.get_encoding(NAMED_ENCODINGS[name])
         except Exception as e:  # network or cache failure: say how to fix it
             raise TokenizerError(
-                f"cannot load tiktoken encoding {name!r} ({type(e).__name__}: {e}); it is downloaded on first use, "
+                f"cannot load tiktoken encoding {name!r} ({type(e).__name__}: {str(e)[:160]}); "
+                "it is downloaded on first use, "
                 "or set TIKTOKEN_CACHE_DIR to a folder that already holds it"
             ) from e
         return cls(enc, {"type": "tiktoken", "name": name})

@@ -82,7 +82,7 @@ def test_nonfinite_weights(ckpt):
     _expect(path, r"non-finite values .*ln_f")
 
 
-def test_unknown_or_broken_tokenizer(ckpt):
+def test_unknown_or_broken_tokenizer(ckpt, gpt2_tokenizer):
     path, _ = ckpt
     (path / "tokenizer.json").write_text(json.dumps({"type": "tiktoken", "name": "klingon"}))
     _expect(path, r"tokenizer\.json: unknown tokenizer 'klingon'")

@@ -31,6 +31,9 @@ test-slow: install
 
 lint: install
 	$(PY) -m ruff check .
+	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/docker-compose -f docker-compose.yml config -q
+	$(VENV)/bin/docker-compose -f docker-compose.yml --profile cpu config -q
 
 serve: install
 	$(PY) -m app --checkpoint $(CHECKPOINT)

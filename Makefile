@@ -26,7 +26,9 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest -m "not slow" -q
 
+# Browser test: also needs Debian's chromium (apt-get install -y chromium); skipped with a reason without it.
 test-slow: install
+	$(PY) -m pip install -q -e ".[browser]"
 	$(PY) -m pytest -m slow -q
 
 lint: install

@@ -1,0 +1,92 @@
+"""`python -m app [--checkpoint DIR] [--host H] [--port P] [--device D] [--dtype T] ...`
+
+Flags override the `GPT_*` environment variables. The checkpoint is validated and loaded before
+uvicorn starts, so a bad one ends the process at once with a one-line reason and exit status 1.
+SIGTERM / SIGINT drain: new requests get 503 and /health turns 503, in-flight requests finish
+(for at most GPT_SHUTDOWN_TIMEOUT_S), then the process exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+
+import uvicorn
+
+from app import __version__
+from app.config import SettingsError, load_settings
+from app.server import Service, StartupError, create_app, load_model
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m app", description="Serve a GPT checkpoint over HTTP "
+                                "(TGI- and OpenAI-compatible). Flags override GPT_* environment variables.")
+    p.add_argument("--checkpoint", help="checkpoint directory (env GPT_CHECKPOINT, default checkpoints/shakespeare)")
+    p.add_argument("--host", help="interface (env GPT_HOST, default 0.0.0.0)")
+    p.add_argument("--port", type=int, help="port (env GPT_PORT, default 8000)")
+    p.add_argument("--device", help="auto | cuda | cuda:N | cpu (env GPT_DEVICE, default auto)")
+    p.add_argument("--dtype", help="auto | bf16 | fp16 | fp32 (env GPT_DTYPE, default auto)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on generation routes (env GPT_API_KEY)")
+    p.add_argument("--max-batch-size", type=int, help="KV-cache slots (env GPT_MAX_BATCH_SIZE, default 8)")
+    p.add_argument("--max-queue", type=int, help="waiting requests before 429 (env GPT_MAX_QUEUE, default 128)")
+    p.add_argument("--max-prompt-tokens", type=int, help="env GPT_MAX_PROMPT_TOKENS (default context - 1)")
+    p.add_argument("--max-new-tokens", type=int, help="cap on max_new_tokens (env GPT_MAX_NEW_TOKENS)")
+    p.add_argument("--request-timeout-s", type=float, help="per-request limit (env GPT_REQUEST_TIMEOUT_S, 300)")
+    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per engine step (env GPT_PREFILL_CHUNK, 128)")
+    p.add_argument("--cors-origins", help="comma-separated allowed origins (env GPT_CORS_ORIGINS)")
+    p.add_argument("--torch-threads", type=int, help="CPU threads for torch ops (env GPT_TORCH_THREADS)")
+    p.add_argument("--model-name", help="model id shown by /info and /v1/models (env GPT_MODEL_NAME)")
+    p.add_argument("--log-level", help="critical | error | warning | info | debug (env GPT_LOG_LEVEL)")
+    p.add_argument("--version", action="version", version=f"gpt-serve {__version__}")
+    return p.parse_args(argv)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains before it stops: the listener stays open so new requests get a clean 503."""
+
+    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+        super().__init__(config)
+        self.service = service
+        self._drain_started = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._drain_started or not self.started:  # second signal, or not up yet: stop now
+            self.should_exit = True
+            self.force_exit = self._drain_started
+            return
+        self._drain_started = True
+        self.service.begin_drain()
+        threading.Thread(target=self._drain, name="drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        engine = self.service.engine
+        if engine is not None and not engine.wait_idle(self.service.settings.shutdown_timeout_s):
+            logging.getLogger("app").warning("drain timed out; ending the remaining requests")
+        self.should_exit = True  # uvicorn closes the listener, waits for open responses, runs the lifespan shutdown
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    try:
+        settings = load_settings(**overrides)
+    except SettingsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        loaded = load_model(settings)
+    except StartupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    app = create_app(settings, loaded=loaded)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            lifespan="on", timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_s)))
+    server = DrainingServer(config, app.service)
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

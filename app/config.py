@@ -1,0 +1,121 @@
+"""Server settings: environment variables `GPT_*`, overridden by `python -m app` flags.
+
+`uvicorn app.main:app` and `python -m app` read the same `Settings`; the CLI passes its
+flags as init arguments, which take priority over the environment.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import torch
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from model.device import DTYPES
+from model.device import resolve_device as _resolve_device
+from model.device import resolve_dtype as _resolve_dtype
+
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class SettingsError(ValueError):
+    """Settings that cannot be used; the message is one line per problem."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GPT_", extra="ignore", validate_default=True)
+
+    checkpoint: Path = Field(Path("checkpoints/shakespeare"), description="checkpoint directory to serve")
+    model_name: str | None = Field(None, description="model id reported by /info and /v1/models "
+                                                     "(default: the checkpoint directory's name)")
+    host: str = Field("0.0.0.0", description="interface to listen on")
+    port: int = Field(8000, ge=1, le=65535)
+    device: str = Field("auto", description="auto (CUDA when present, else CPU), cuda, cuda:N or cpu")
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="auto: bf16 on a GPU that supports it, else fp32")
+    api_key: SecretStr | None = Field(None, description="when set, generation routes need "
+                                                        "'Authorization: Bearer <key>'")
+    max_batch_size: int = Field(8, ge=1, le=1024, description="KV-cache slots: sequences decoded together")
+    max_queue: int = Field(128, ge=1, le=100_000, description="requests waiting for a slot; more get 429")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="default: the context length - 1")
+    max_new_tokens: int | None = Field(None, ge=1, description="cap on max_new_tokens / max_tokens "
+                                                               "(default: the context length - 1)")
+    default_max_new_tokens: int = Field(100, ge=1, description="/generate's max_new_tokens when not given "
+                                                               "(lowered to fit the context)")
+    request_timeout_s: float = Field(300.0, gt=0, description="per-request time limit, queueing included")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="request bodies above this get 413")
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="comma-separated allowed origins ('*' for any); empty: no CORS")
+    prefill_chunk: int = Field(128, ge=1, description="prompt tokens prefilled per engine step")
+    max_stop_sequences: int = Field(16, ge=0)
+    max_stop_length: int = Field(256, ge=1, description="characters per stop sequence")
+    max_top_n_tokens: int = Field(5, ge=0, description="cap on top_n_tokens / logprobs alternatives")
+    shutdown_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may "
+                                                              "take to finish")
+    torch_threads: int | None = Field(None, ge=1, le=1024, description="CPU threads for torch ops "
+                                                                     "(default: torch's choice)")
+    warmup: bool = Field(True, description="run a short generation before /health reports ready")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        v = v.strip().lower()
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {v!r}")
+        return v
+
+    @field_validator("dtype", "log_level", mode="before")
+    @classmethod
+    def _lower(cls, v):
+        return v.strip().lower() if isinstance(v, str) else v
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _origins(cls, v):
+        if isinstance(v, str):
+            return [o.strip() for o in v.split(",") if o.strip()]
+        return v
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_key(cls, v):
+        return None if isinstance(v, str) and not v.strip() else v
+
+    def served_model_name(self) -> str:
+        return self.model_name or Path(self.checkpoint).resolve().name or "gpt"
+
+
+def load_settings(**overrides) -> Settings:
+    """Settings from the environment plus explicit overrides; raises SettingsError with one line per problem."""
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"])
+            flag = field.replace("_", "-")
+            lines.append(f"invalid setting {field} (--{flag} or env GPT_{field.upper()}): {err['msg']}")
+        raise SettingsError("; ".join(lines)) from None
+
+
+def resolve_device(name: str) -> torch.device:
+    """model.device's choice (shared with the CLIs), with errors as SettingsError."""
+    try:
+        device = _resolve_device(name)
+    except ValueError as e:
+        raise SettingsError(f"{e}; use --device cpu" if "CUDA" in str(e) else str(e)) from None
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise SettingsError(f"device {name!r} requested but only {torch.cuda.device_count()} GPU(s) are present")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on a GPU that supports it, else fp32 (model.device's rule)."""
+    try:
+        return _resolve_dtype(name, device)
+    except ValueError as e:
+        raise SettingsError(str(e)) from None

@@ -1,0 +1,504 @@
+"""The HTTP API in-process (fastapi TestClient): every route, both stream formats, validation,
+limits, auth, CORS, metrics, health while loading / draining."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from tests.test_app_support import (  # noqa: F401
+    BLOCK,
+    app_client,
+    make_app,
+    one_torch_thread,
+    reference_generate,
+    slow_model,
+    sse_events,
+    tiny_ckpt,
+    wait_ready,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+METRIC_NAMES = ["gpt_requests_total", "gpt_prompt_tokens_total", "gpt_generated_tokens_total", "gpt_queue_size",
+                "gpt_batch_size", "gpt_queue_time_seconds", "gpt_time_to_first_token_seconds",
+                "gpt_inter_token_latency_seconds", "gpt_request_latency_seconds"]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_ckpt):  # noqa: F811
+    with app_client(tiny_ckpt) as c:
+        yield c
+
+
+def engine_of(client):
+    return client.app.service.engine
+
+
+def assert_error(r, status: int | None = None, field: str | None = None, error_type: str | None = None):
+    assert r.status_code != 500, r.text
+    if status is not None:
+        assert r.status_code == status, (r.status_code, r.text)
+    else:
+        assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    body = r.json()
+    assert isinstance(body.get("error"), str) and body["error"], body
+    assert isinstance(body.get("error_type"), str) and body["error_type"], body
+    if field is not None:
+        assert body["error"].startswith(field + ":") or f"{field}:" in body["error"], body
+    if error_type is not None:
+        assert body["error_type"] == error_type, body
+    return body
+
+
+# ------------------------------------------------------------------------------------------- operations
+def test_health_info_models_metrics(client, tiny_ckpt):  # noqa: F811
+    assert client.get("/health").json() == {"status": "ready"}
+    info = client.get("/info").json()
+    assert info["checkpoint"] == str(tiny_ckpt) and info["metadata"]["note"] == "app tests"
+    assert info["config"]["block_size"] == BLOCK and info["config"]["n_layer"] == 2
+    assert (info["device"], info["dtype"]) == ("cpu", "fp32")
+    assert info["max_total_tokens"] == BLOCK and info["max_prompt_tokens"] == BLOCK - 1
+    assert info["max_batch_size"] == 8 and info["version"] and info["model_id"] == "tiny"
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    for name in METRIC_NAMES:
+        assert f"# TYPE {name} " in r.text or f"# TYPE {name.removesuffix('_total')} " in r.text, name
+    spec = client.get("/openapi.json").json()  # /docs documents the hand-parsed bodies too
+    assert spec["paths"]["/generate"]["post"]["requestBody"] and "TGIParameters" in spec["components"]["schemas"]
+
+
+def test_index_and_static(client, tiny_ckpt, tmp_path, monkeypatch):  # noqa: F811
+    import app.server
+
+    r = client.get("/")
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"] and "<html" in r.text.lower()
+    if (app.server.STATIC_DIR / "index.html").is_file():
+        assert client.get("/static/index.html").text == r.text
+    assert_error(client.get("/static/no-such-file.js"), 404)
+    monkeypatch.setattr(app.server, "STATIC_DIR", tmp_path / "nothing-here")
+    with app_client(tiny_ckpt) as c:  # no playground installed: a minimal page, and /static still answers
+        page = c.get("/")
+        assert page.status_code == 200 and "/docs" in page.text and "tiny" in page.text
+        assert_error(c.get("/static/index.html"), 404)
+
+
+def test_unknown_route_and_method_are_json(client):
+    assert_error(client.get("/nope"), 404, error_type="not_found")
+    assert_error(client.get("/generate"), 405, error_type="method_not_allowed")
+
+
+# ------------------------------------------------------------------------------------------- TGI routes
+def test_generate_greedy_equals_reference_on_every_route(client, tiny_ckpt):  # noqa: F811
+    ref = reference_generate(tiny_ckpt, "hello", max_new_tokens=12, temperature=0)
+    body = {"inputs": "hello", "parameters": {"max_new_tokens": 12, "details": True}}
+    for route in ("/generate", "/"):
+        out = client.post(route, json=body).json()
+        assert out["generated_text"] == ref.text
+        d = out["details"]
+        assert d["finish_reason"] == "length" and d["generated_tokens"] == 12 and d["seed"] is None
+        assert d["prompt_tokens"] == len(ref.prompt)
+        assert [t["id"] for t in d["tokens"]] == ref.tokens
+        assert [t["logprob"] for t in d["tokens"]] == pytest.approx([e.logprob for e in ref.events], abs=1e-4)
+        assert all(set(t) == {"id", "text", "logprob", "special"} for t in d["tokens"])
+    plain = client.post("/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 12}}).json()
+    assert plain == {"generated_text": ref.text}
+
+
+@pytest.mark.parametrize("route,body_stream", [("/generate_stream", None), ("/generate", True), ("/", True)])
+def test_tgi_stream_format(client, tiny_ckpt, route, body_stream):  # noqa: F811
+    ref = reference_generate(tiny_ckpt, "abc", max_new_tokens=6, temperature=0.8, seed=7)
+    body = {"inputs": "abc", "parameters": {"max_new_tokens": 6, "temperature": 0.8, "seed": 7, "details": True}}
+    if body_stream is not None:
+        body["stream"] = body_stream
+    r = client.post(route, json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert all(line.startswith("data:") for line in r.text.split("\n\n") if line.strip())
+    events = sse_events(r.text)
+    assert [e["index"] for e in events] == list(range(1, 7))
+    for e in events[:-1]:
+        assert e["generated_text"] is None and e["details"] is None
+        assert set(e["token"]) == {"id", "text", "logprob", "special"}
+    last = events[-1]
+    assert last["generated_text"] == ref.text == "".join(e["token"]["text"] for e in events)
+    assert last["details"] == {"finish_reason": "length", "generated_tokens": 6, "seed": 7,
+                               "input_length": 3, "prompt_tokens": 3}
+    assert [e["token"]["id"] for e in events] == ref.tokens
+
+
+def test_stream_without_details_has_no_details(client):
+    events = sse_events(client.post("/generate_stream", json={"inputs": "abc",
+                                                               "parameters": {"max_new_tokens": 3}}).text)
+    assert events[-1]["details"] is None and isinstance(events[-1]["generated_text"], str)
+
+
+def test_tgi_sampling_rules(client, tiny_ckpt):  # noqa: F811
+    def gen(**params):
+        return client.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 16, "details": True,
+                                                                             **params}}).json()
+
+    greedy = reference_generate(tiny_ckpt, "hi", max_new_tokens=16, temperature=0).text
+    assert gen()["generated_text"] == greedy  # TGI: no sampling parameter → greedy
+    assert gen(do_sample=False, seed=3)["generated_text"] == greedy
+    assert gen(temperature=0, do_sample=True)["generated_text"] == greedy  # temperature 0 is greedy here
+    assert gen(top_p=1.0)["generated_text"] == greedy  # accepted (TGI refuses 1.0), and neutral
+    sampled = gen(do_sample=True, seed=11)
+    assert sampled["details"]["seed"] == 11
+    assert sampled["generated_text"] == reference_generate(tiny_ckpt, "hi", max_new_tokens=16, temperature=1.0,
+                                                           seed=11).text
+    warm = gen(temperature=0.9)  # a warper alone turns sampling on, with a fresh seed reported
+    seed = warm["details"]["seed"]
+    assert isinstance(seed, int) and gen(temperature=0.9, seed=seed)["generated_text"] == warm["generated_text"]
+
+
+def test_stop_sequences_and_full_text(client):
+    base = client.post("/generate", json={"inputs": "once", "parameters": {
+        "max_new_tokens": 40, "do_sample": True, "seed": 5}}).json()["generated_text"]
+    stop = base[10:12]
+    cut = base[:base.find(stop)]
+    out = client.post("/generate", json={"inputs": "once", "parameters": {
+        "max_new_tokens": 40, "do_sample": True, "seed": 5, "stop": [stop, "\x00never"], "details": True}}).json()
+    assert out["generated_text"] == cut and out["details"]["finish_reason"] == "stop_sequence"
+    full = client.post("/generate", json={"inputs": "once", "parameters": {
+        "max_new_tokens": 40, "do_sample": True, "seed": 5, "return_full_text": True}}).json()
+    assert full["generated_text"] == "once" + base
+
+
+def test_top_n_tokens_and_truncate(client):
+    out = client.post("/generate", json={"inputs": "hello", "parameters": {
+        "max_new_tokens": 3, "details": True, "top_n_tokens": 2}}).json()
+    tops = out["details"]["top_tokens"]
+    assert len(tops) == 3 and all(len(t) == 2 for t in tops)
+    assert [t[0]["id"] for t in tops] == [t["id"] for t in out["details"]["tokens"]]  # greedy picks the best
+    # truncate keeps the last N prompt tokens
+    long = client.post("/generate", json={"inputs": "x" * 200 + "hello", "parameters": {
+        "max_new_tokens": 5, "truncate": 5, "details": True}}).json()
+    short = client.post("/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 5}}).json()
+    assert long["generated_text"] == short["generated_text"] and long["details"]["prompt_tokens"] == 5
+
+
+def test_context_limits(client):
+    assert_error(client.post("/generate", json={"inputs": "a" * 200}), 422, "inputs")
+    assert_error(client.post("/generate", json={"inputs": "a" * 100, "parameters": {"max_new_tokens": 50}}),
+                 422, "parameters.max_new_tokens")
+    assert_error(client.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": BLOCK}}),
+                 422, "parameters.max_new_tokens")
+    # without max_new_tokens the default is lowered to what fits
+    out = client.post("/generate", json={"inputs": "a" * 120, "parameters": {"details": True}}).json()
+    assert out["details"]["generated_tokens"] == BLOCK - 120
+    out = client.post("/generate", json={"inputs": "a" * 27, "parameters": {"max_new_tokens": BLOCK - 27}})
+    assert out.status_code == 200
+
+
+# ------------------------------------------------------------------------------------------- OpenAI
+def test_completions(client, tiny_ckpt):  # noqa: F811
+    ref = reference_generate(tiny_ckpt, "hello", max_new_tokens=8, temperature=0)
+    r = client.post("/v1/completions", json={"model": "whatever", "prompt": "hello", "max_tokens": 8,
+                                             "temperature": 0, "logprobs": 2})
+    out = r.json()
+    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-") and out["model"] == "tiny"
+    choice = out["choices"][0]
+    assert choice["text"] == ref.text and choice["finish_reason"] == "length" and choice["index"] == 0
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == ref.text and len(lp["token_logprobs"]) == 8
+    assert lp["text_offset"][0] == 0 and all(len(t) == 2 for t in lp["top_logprobs"])
+    n = len(ref.prompt)
+    assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 8, "total_tokens": n + 8}
+    # a list of one string, token ids, echo; default max_tokens is 16 (OpenAI's)
+    same = client.post("/v1/completions", json={"prompt": ["hello"], "max_tokens": 8, "temperature": 0}).json()
+    ids = client.post("/v1/completions", json={"prompt": ref.prompt, "max_tokens": 8, "temperature": 0}).json()
+    echo = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8, "temperature": 0,
+                                                "echo": True}).json()
+    assert same["choices"][0]["text"] == ids["choices"][0]["text"] == ref.text
+    assert echo["choices"][0]["text"] == "hello" + ref.text and same["choices"][0]["logprobs"] is None
+    dflt = client.post("/v1/completions", json={"prompt": "hello", "temperature": 0}).json()
+    assert dflt["usage"]["completion_tokens"] == 16
+    seeded = [client.post("/v1/completions", json={"prompt": "hi", "seed": 3, "max_tokens": 10}).json()
+              for _ in range(2)]
+    assert seeded[0]["choices"][0]["text"] == seeded[1]["choices"][0]["text"]
+
+
+def test_completions_stream(client, tiny_ckpt):  # noqa: F811
+    ref = reference_generate(tiny_ckpt, "hello", max_new_tokens=5, temperature=0)
+    r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5, "temperature": 0, "stream": True,
+                                             "logprobs": 1, "stream_options": {"include_usage": True}})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
+    assert all(c["object"] == "text_completion" and c["choices"][0]["logprobs"]["tokens"] for c in chunks)
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+
+
+# ------------------------------------------------------------------------------------------- bad input
+TGI_ROUTES = ["/generate", "/generate_stream", "/"]
+BAD_TGI = [
+    (b"", 400, None), (b"   ", 400, None), (b"not json", 400, None), (b"\xff\xfe{}", 400, None),
+    (b'{"inputs": "a"', 400, None), (b'{"inputs": "a", "parameters": {"temperature": NaN}}', 400, None),
+    (b'{"inputs": "a", "parameters": {"temperature": Infinity}}', 400, None),
+    (b'{"inputs": "a", "parameters": {"max_new_tokens": ' + b"9" * 5000 + b"}}", 400, None),
+    (b'{"inputs": "a", "parameters": ' + b"[" * 50000 + b"]" * 50000 + b"}", 400, None),
+    (b"[1, 2]", 422, "body"), (b"null", 422, "body"), (b'"text"', 422, "body"), (b"42", 422, "body"),
+    ({}, 422, "inputs"), ({"inputs": None}, 422, "inputs"), ({"inputs": 5}, 422, "inputs"),
+    ({"inputs": ["a"]}, 422, "inputs"), ({"inputs": ""}, 422, "inputs"), ({"inputs": "a" * 5000}, 422, "inputs"),
+    ({"inputs": "a", "parameters": 5}, 422, "parameters"), ({"inputs": "a", "parameters": []}, 422, "parameters"),
+    ({"inputs": "a", "parameters": {"temperature": -1}}, 422, "parameters.temperature"),
+    ({"inputs": "a", "parameters": {"temperature": "hot"}}, 422, "parameters.temperature"),
+    ({"inputs": "a", "parameters": {"temperature": 1e308 * 10}}, 400, None),
+    ({"inputs": "a", "parameters": {"temperature": 1000}}, 422, "parameters.temperature"),
+    ({"inputs": "a", "parameters": {"top_p": 0}}, 422, "parameters.top_p"),
+    ({"inputs": "a", "parameters": {"top_p": 1.5}}, 422, "parameters.top_p"),
+    ({"inputs": "a", "parameters": {"top_k": -1}}, 422, "parameters.top_k"),
+    ({"inputs": "a", "parameters": {"top_k": 2.5}}, 422, "parameters.top_k"),
+    ({"inputs": "a", "parameters": {"top_k": True}}, 422, "parameters.top_k"),
+    ({"inputs": "a", "parameters": {"top_k": 10**40}}, 422, "parameters.top_k"),
+    ({"inputs": "a", "parameters": {"max_new_tokens": 0}}, 422, "parameters.max_new_tokens"),
+    ({"inputs": "a", "parameters": {"max_new_tokens": -5}}, 422, "parameters.max_new_tokens"),
+    ({"inputs": "a", "parameters": {"max_new_tokens": 10**30}}, 422, "parameters.max_new_tokens"),
+    ({"inputs": "a", "parameters": {"max_new_tokens": "10"}}, 422, "parameters.max_new_tokens"),
+    ({"inputs": "a", "parameters": {"max_new_tokens": 10.5}}, 422, "parameters.max_new_tokens"),
+    ({"inputs": "a", "parameters": {"max_new_tokens": None, "temperature": None}}, 200, None),
+    ({"inputs": "a", "parameters": {"repetition_penalty": 0}}, 422, "parameters.repetition_penalty"),
+    ({"inputs": "a", "parameters": {"seed": -1}}, 422, "parameters.seed"),
+    ({"inputs": "a", "parameters": {"seed": 2**64}}, 422, "parameters.seed"),
+    ({"inputs": "a", "parameters": {"seed": "x"}}, 422, "parameters.seed"),
+    ({"inputs": "a", "parameters": {"stop": "x"}}, 422, "parameters.stop"),
+    ({"inputs": "a", "parameters": {"stop": [1]}}, 422, "parameters.stop.0"),
+    ({"inputs": "a", "parameters": {"stop": [""]}}, 422, "parameters.stop.0"),
+    ({"inputs": "a", "parameters": {"stop": ["a" * 300]}}, 422, "parameters.stop.0"),
+    ({"inputs": "a", "parameters": {"stop": ["a"] * 17}}, 422, "parameters.stop"),
+    ({"inputs": "a", "parameters": {"do_sample": "yes"}}, 422, "parameters.do_sample"),
+    ({"inputs": "a", "parameters": {"details": 1}}, 422, "parameters.details"),
+    ({"inputs": "a", "parameters": {"best_of": 2}}, 422, "parameters.best_of"),
+    ({"inputs": "a", "parameters": {"typical_p": 0.5}}, 422, "parameters.typical_p"),
+    ({"inputs": "a", "parameters": {"watermark": True}}, 422, "parameters.watermark"),
+    ({"inputs": "a", "parameters": {"grammar": {"type": "json", "value": {}}}}, 422, "parameters.grammar"),
+    ({"inputs": "a", "parameters": {"decoder_input_details": True}}, 422, "parameters.decoder_input_details"),
+    ({"inputs": "a", "parameters": {"top_n_tokens": 100}}, 422, "parameters.top_n_tokens"),
+    ({"inputs": "a", "parameters": {"truncate": 0}}, 422, "parameters.truncate"),
+    ({"inputs": "a", "stream": "yes"}, 422, "stream"),
+    ({"inputs": "\ud800 lone surrogate", "parameters": {"max_new_tokens": 2, "stop": ["\udfff"]}}, 200, None),
+    ({"inputs": "a", "parameters": {"max_new_tokens": 2}, "unknown": 1}, 200, None),
+]
+BAD_OPENAI = [
+    (b"{", 400, None), (b"[]", 422, "body"),
+    ({}, 422, "prompt"), ({"prompt": 5}, 422, "prompt"), ({"prompt": []}, 422, "prompt"),
+    ({"prompt": ["a", "b"]}, 422, "prompt"), ({"prompt": [1, 2**40]}, 422, "prompt"), ({"prompt": [-1]}, 422, "prompt"),
+    ({"prompt": [True]}, 422, "prompt"), ({"prompt": [[1, 2], [3]]}, 422, "prompt"), ({"prompt": ""}, 422, "prompt"),
+    ({"prompt": "a", "max_tokens": 0}, 422, "max_tokens"), ({"prompt": "a", "max_tokens": "5"}, 422, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 500}, 422, "max_tokens"),
+    ({"prompt": "a", "temperature": -0.1}, 422, "temperature"), ({"prompt": "a", "top_p": 2}, 422, "top_p"),
+    ({"prompt": "a", "n": 2}, 422, "n"), ({"prompt": "a", "best_of": 3}, 422, "best_of"),
+    ({"prompt": "a", "logprobs": 6}, 422, "logprobs"), ({"prompt": "a", "logprobs": -1}, 422, "logprobs"),
+    ({"prompt": "a", "echo": True, "logprobs": 1}, 422, "echo"), ({"prompt": "a", "stop": 5}, 422, "stop"),
+    ({"prompt": "a", "stop": [1]}, 422, "stop.0"), ({"prompt": "a", "stop": ["a"] * 17}, 422, "stop"),
+    ({"prompt": "a", "presence_penalty": 1}, 422, "presence_penalty"),
+    ({"prompt": "a", "frequency_penalty": 5}, 422, "frequency_penalty"),
+    ({"prompt": "a", "logit_bias": {"1": 5}}, 422, "logit_bias"), ({"prompt": "a", "suffix": "x"}, 422, "suffix"),
+    ({"prompt": "a", "stream": "true"}, 422, "stream"), ({"prompt": "a", "stream_options": 5}, 422, "stream_options"),
+    ({"prompt": "a", "seed": -3}, 422, "seed"), ({"prompt": "a", "model": 5}, 422, "model"),
+    ({"prompt": "a", "max_tokens": 2, "stop": "x", "user": "u", "n": 1, "logit_bias": {}}, 200, None),
+]
+CASES = [(route, body, status, field) for route in TGI_ROUTES for body, status, field in BAD_TGI]
+CASES += [("/v1/completions", body, status, field) for body, status, field in BAD_OPENAI]
+
+
+@pytest.mark.parametrize("route,body,status,field", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_bad_input_is_a_4xx_naming_the_problem(client, route, body, status, field):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = client.post(route, content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    if status >= 400:
+        assert_error(r, status, field)
+
+
+def test_body_size_limit(tiny_ckpt):  # noqa: F811
+    with app_client(tiny_ckpt, max_body_bytes=2048) as c:
+        assert_error(c.post("/generate", json={"inputs": "a" * 5000}), 413, error_type="payload_too_large")
+
+        def chunks():  # no Content-Length: counted while reading
+            for _ in range(10):
+                yield b" " * 1000
+
+        assert_error(c.post("/generate", content=chunks()), 413)
+        assert c.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 2}}).status_code == 200
+
+
+def test_curl_style_form_content_type_is_accepted(client):
+    r = client.post("/generate", content=b'{"inputs": "a", "parameters": {"max_new_tokens": 2}}',
+                    headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200
+
+
+# ------------------------------------------------------------------------------------------- auth, CORS
+def test_api_key_guards_generation_routes_only(tiny_ckpt):  # noqa: F811
+    with app_client(tiny_ckpt, api_key="s3cret") as c:
+        body = {"inputs": "a", "parameters": {"max_new_tokens": 2}}
+        for route, payload in [("/generate", body), ("/generate_stream", body), ("/", body),
+                               ("/v1/completions", {"prompt": "a", "max_tokens": 2})]:
+            assert_error(c.post(route, json=payload), 401, error_type="unauthorized")
+            assert_error(c.post(route, json=payload, headers={"Authorization": "Bearer nope"}), 401)
+            assert c.post(route, json=payload, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        for route in ("/health", "/info", "/metrics", "/"):
+            assert c.get(route).status_code == 200, route
+        assert c.get("/info").json()["api_key_required"] is True
+
+
+def test_cors(tiny_ckpt, client):  # noqa: F811
+    pre = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "content-type,authorization"}
+    with app_client(tiny_ckpt, cors_origins="https://ui.example,https://other.example") as c:
+        r = c.options("/generate", headers=pre)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+        r = c.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 1}},
+                   headers={"Origin": "https://ui.example"})
+        assert r.headers["access-control-allow-origin"] == "https://ui.example"
+        assert "access-control-allow-origin" not in c.options("/generate", headers={**pre, "Origin": "https://evil"}
+                                                              ).headers
+    assert "access-control-allow-origin" not in client.options("/generate", headers=pre).headers
+
+
+# ------------------------------------------------------------------------------------------- load, time
+def test_full_queue_gives_429(tiny_ckpt):  # noqa: F811
+    with app_client(tiny_ckpt, max_batch_size=1, max_queue=1) as c:
+        engine = engine_of(c)
+        engine.pause()
+        results = {}
+        t = threading.Thread(target=lambda: results.setdefault(
+            "first", c.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 3}})))
+        t.start()
+        end = time.monotonic() + 5
+        while engine.n_queued < 1 and time.monotonic() < end:
+            time.sleep(0.005)
+        r = c.post("/generate", json={"inputs": "b", "parameters": {"max_new_tokens": 3}})
+        assert_error(r, 429, error_type="overloaded")
+        assert r.headers["retry-after"] == "1"
+        engine.resume()
+        t.join(10)
+        assert results["first"].status_code == 200
+        assert 'gpt_requests_total{finish_reason="rejected",status="429"} 1.0' in c.get("/metrics").text
+
+
+def test_time_limit_ends_with_an_error(tiny_ckpt):  # noqa: F811
+    with app_client(tiny_ckpt, request_timeout_s=0.3) as c:
+        engine = engine_of(c)
+        engine.pause()  # stuck in the queue
+        t0 = time.monotonic()
+        assert_error(c.post("/generate", json={"inputs": "a"}), 504, error_type="timeout")
+        assert time.monotonic() - t0 < 3
+        engine.resume()
+        restore = slow_model(engine, 0.02)  # too slow to finish 100 tokens in 0.3 s: the stream ends in an error
+        events = sse_events(c.post("/generate_stream", json={"inputs": "a",
+                                                              "parameters": {"max_new_tokens": 100}}).text)
+        restore()
+        assert "token" in events[0] and events[-1]["error_type"] == "timeout" and "error" in events[-1]
+        assert 'gpt_requests_total{finish_reason="timeout",status="504"} 2.0' in c.get("/metrics").text
+
+
+def test_metrics_count_requests_and_tokens(tiny_ckpt):  # noqa: F811
+    with app_client(tiny_ckpt) as c:
+        for _ in range(2):
+            c.post("/generate", json={"inputs": "hey", "parameters": {"max_new_tokens": 4}})
+        c.post("/generate", json={"inputs": ""})
+        text = c.get("/metrics").text
+        assert 'gpt_requests_total{finish_reason="length",status="200"} 2.0' in text
+        assert 'gpt_requests_total{finish_reason="rejected",status="422"} 1.0' in text
+        n_prompt = len(c.app.service.tokenizer.encode("hey"))
+        assert f"gpt_prompt_tokens_total {2 * n_prompt}.0" in text and "gpt_generated_tokens_total 8.0" in text
+        assert "gpt_time_to_first_token_seconds_count 2.0" in text
+        assert "gpt_inter_token_latency_seconds_count 6.0" in text
+        assert "gpt_queue_time_seconds_count 2.0" in text and "gpt_request_latency_seconds_count 2.0" in text
+        assert "gpt_queue_size 0.0" in text and "gpt_batch_size 0.0" in text
+
+
+def test_health_is_503_while_warming_up_and_requests_wait(tiny_ckpt, monkeypatch):  # noqa: F811
+    from fastapi.testclient import TestClient
+
+    from app.engine import Engine
+
+    gate = threading.Event()
+    original = Engine._warmup
+
+    def slow_warmup(self):
+        gate.wait(10)
+        original(self)
+
+    monkeypatch.setattr(Engine, "_warmup", slow_warmup)
+    with TestClient(make_app(tiny_ckpt)) as c:
+        r = c.get("/health")
+        assert_error(r, 503, error_type="unavailable")
+        assert r.json()["status"] == "loading"
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("r", c.post("/generate", json={
+            "inputs": "a", "parameters": {"max_new_tokens": 2}})))
+        t.start()
+        time.sleep(0.1)
+        assert "r" not in out  # queued behind the warm-up, not refused
+        gate.set()
+        t.join(10)
+        assert out["r"].status_code == 200
+        wait_ready(c.get)
+
+
+def test_draining_refuses_new_work(tiny_ckpt):  # noqa: F811
+    with app_client(tiny_ckpt) as c:
+        c.app.service.begin_drain()
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "draining"
+        assert_error(c.post("/generate", json={"inputs": "a"}), 503, error_type="unavailable")
+        assert c.get("/info").status_code == 200
+
+
+def test_two_apps_in_one_process_have_separate_metrics(tiny_ckpt):  # noqa: F811
+    with app_client(tiny_ckpt) as a, app_client(tiny_ckpt) as b:
+        a.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 2}})
+        assert "gpt_generated_tokens_total 2.0" in a.get("/metrics").text
+        assert "gpt_generated_tokens_total 0.0" in b.get("/metrics").text
+
+
+def test_startup_failure_is_one_line(tmp_path):
+    import asyncio
+
+    from app.server import Service, StartupError
+    from tests.test_app_support import make_settings
+
+    bad = tmp_path / "ckpt"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    for path, needle in [(tmp_path / "missing", "not found"), (bad, "not valid JSON")]:
+        with pytest.raises(StartupError) as e:
+            asyncio.run(Service(make_settings(path)).startup())
+        assert "cannot load checkpoint" in str(e.value) and needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------- settings
+def test_settings_env_and_cli(monkeypatch):
+    from app.__main__ import parse_args
+    from app.config import SettingsError, load_settings
+
+    monkeypatch.setenv("GPT_PORT", "1234")
+    monkeypatch.setenv("GPT_CORS_ORIGINS", "https://a.example, https://b.example")
+    monkeypatch.setenv("GPT_API_KEY", "k")
+    monkeypatch.setenv("GPT_MAX_BATCH_SIZE", "3")
+    s = load_settings()
+    assert (s.port, s.cors_origins, s.api_key.get_secret_value(), s.max_batch_size) == (
+        1234, ["https://a.example", "https://b.example"], "k", 3)
+    args = parse_args(["--port", "999", "--checkpoint", "x", "--dtype", "bf16", "--max-batch-size", "5"])
+    s = load_settings(**{k: v for k, v in vars(args).items() if v is not None})
+    assert (s.port, str(s.checkpoint), s.dtype, s.max_batch_size) == (999, "x", "bf16", 5)  # flags win
+    monkeypatch.setenv("GPT_PORT", "not-a-port")
+    with pytest.raises(SettingsError, match="GPT_PORT"):
+        load_settings()
+    monkeypatch.setenv("GPT_PORT", "80")
+    with pytest.raises(SettingsError, match="device"):
+        load_settings(device="tpu")

@@ -12,6 +12,7 @@ import pytest
 import tiktoken
 import tiktoken.load
 
+from training import text as text_mod
 from training import tokenizer as tok
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -124,8 +125,8 @@ def test_streamed_chunks_match_whole_text(tmp_path: Path, monkeypatch: pytest.Mo
     text = make_corpus(200, seed=1).replace("\n", "\r\n", 20) + "  trailing \n\n\n  "
     path = tmp_path / "c.txt"
     path.write_bytes(text.encode("utf-8"))
-    monkeypatch.setattr(tok, "_READ_BLOCK", 7)
-    chunks = list(tok.iter_file_texts([path]))
+    monkeypatch.setattr(text_mod, "READ_BLOCK", 7)
+    chunks = list(tok.iter_texts([path]))
     assert len(chunks) > 10
     assert "".join(chunks) == text
     assert tok.count_pretokens(chunks) == tok.count_pretokens([text])
@@ -134,9 +135,9 @@ def test_streamed_chunks_match_whole_text(tmp_path: Path, monkeypatch: pytest.Mo
 def test_invalid_utf8_offset_across_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "bad.txt"
     path.write_bytes("é".encode() * 10 + b"\xff rest")  # bad byte at offset 20
-    monkeypatch.setattr(tok, "_READ_BLOCK", 3)  # blocks split the 2-byte characters
+    monkeypatch.setattr(text_mod, "READ_BLOCK", 3)  # blocks split the 2-byte characters
     with pytest.raises(tok.InputError, match=r"bad\.txt: invalid UTF-8 at byte offset 20\b"):
-        list(tok.iter_file_texts([path]))
+        list(tok.iter_texts([path]))
 
 
 # ----------------------------------------------------------------------------- CLI

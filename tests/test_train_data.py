@@ -10,7 +10,7 @@ import pytest
 
 from model.tokenizer import Tokenizer
 from tests.conftest import write_byte_ranks
-from training import data as data_mod
+from training import text as text_mod
 from training.data import BatchSampler, DataError, open_data_dir, token_dtype
 from training.prepare import prepare
 
@@ -28,7 +28,7 @@ def text_of(n_lines: int, seed: int = 0) -> str:
 
 
 def test_single_file_split_and_streaming_equal_whole_encoding(tmp_path, ranks, monkeypatch):
-    monkeypatch.setattr(data_mod, "READ_BLOCK", 97)  # many small pieces: cuts at every kind of boundary
+    monkeypatch.setattr(text_mod, "READ_BLOCK", 97)  # many small pieces: cuts at every kind of boundary
     text = text_of(400)
     f = tmp_path / "a.txt"
     f.write_text(text)
@@ -98,7 +98,7 @@ def test_named_tokenizer_and_dtype(tmp_path, gpt2_tokenizer):
 
 
 def test_invalid_utf8_offset_across_read_blocks(tmp_path, ranks, monkeypatch):
-    monkeypatch.setattr(data_mod, "READ_BLOCK", 7)
+    monkeypatch.setattr(text_mod, "READ_BLOCK", 7)
     f = tmp_path / "bad.txt"
     f.write_bytes("héllo wörld ".encode() * 5 + b"\xe6\x9d" + b" tail")  # a truncated 3-byte character
     bad_at = len("héllo wörld ".encode() * 5)

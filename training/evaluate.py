@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from model.checkpoint import CheckpointError, load_checkpoint
-from training.data import DataError, encode_stream, resolve_inputs
+from training.data import DataError, encode_stream
+from training.text import resolve_inputs
 
 PROG = "python -m training.evaluate"
 

@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import argparse
 import base64
-import codecs
 import heapq
 import os
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import pairwise
 from pathlib import Path
 
 import regex
+
+from training.text import InputError, iter_texts, resolve_inputs
 
 # GPT-2's pre-tokenization regex; merges never cross the pieces it produces.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -40,22 +41,8 @@ EOT_TOKEN = "<|endoftext|>"
 MIN_VOCAB_SIZE = 257
 
 _PRETOKENIZE = regex.compile(GPT2_PATTERN)
-# Positions where GPT2_PATTERN has a token boundary whatever the text beyond
-# them: between a non-space and " <non-space>" (a word token ends, " word"
-# begins), or after a lone "\n" between non-spaces. Longer whitespace runs are
-# not safe: `\s+(?!\S)` splits "\n\nA" as "\n","\n" but a chunk ending in
-# "\n\n" as one token. Cutting streamed text only at these points keeps
-# pre-tokens identical to one pass over the whole file. (?r) finds the last one.
-_SAFE_CUT = regex.compile(r"(?r)(?<=\S)(?= \S)|(?<=\S\n)(?=\S)")
-
-_READ_BLOCK = 1 << 20  # bytes read from disk at a time
-_MAX_CARRY = 1 << 24  # chars kept waiting for a safe cut before cutting anyway
 
 ProgressFn = Callable[[int, int], None]
-
-
-class InputError(Exception):
-    """Bad user input (missing path, empty corpus, non-UTF-8 bytes); reported without a traceback."""
 
 
 # --------------------------------------------------------------------------- #
@@ -69,75 +56,6 @@ def count_pretokens(texts: Iterable[str]) -> Counter[str]:
     for text in texts:
         counts.update(_PRETOKENIZE.findall(text))
     return counts
-
-
-def _split_at_safe_cuts(pieces: Iterable[str]) -> Iterator[str]:
-    """Re-chunk a stream of text so every chunk ends at a pre-token boundary."""
-    carry = ""
-    for piece in pieces:
-        buf = carry + piece
-        match = _SAFE_CUT.search(buf)
-        if match is None or match.start() == 0:
-            if len(buf) < _MAX_CARRY:
-                carry = buf
-                continue
-            # Pathological input (megabytes without a space or newline): cut anyway;
-            # at worst one pre-token is split in two.
-            yield buf
-            carry = ""
-            continue
-        cut = match.start()
-        yield buf[:cut]
-        carry = buf[cut:]
-    if carry:
-        yield carry
-
-
-def _read_utf8_pieces(path: Path) -> Iterator[str]:
-    """Stream ``path`` as text in ~1 MiB pieces; InputError names the offset of bad UTF-8."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
-    consumed = 0  # bytes handed to the decoder before the current block
-    with path.open("rb") as f:
-        while True:
-            block = f.read(_READ_BLOCK)
-            final = not block
-            pending = len(decoder.getstate()[0])  # bytes of a split character held back
-            try:
-                text = decoder.decode(block, final=final)
-            except UnicodeDecodeError as exc:
-                # exc.start indexes (held-back bytes + block).
-                offset = consumed - pending + exc.start
-                raise InputError(
-                    f"{path}: invalid UTF-8 at byte offset {offset} ({exc.reason})"
-                ) from None
-            if text:
-                yield text
-            if final:
-                return
-            consumed += len(block)
-
-
-def iter_file_texts(paths: Sequence[Path]) -> Iterator[str]:
-    """Text chunks of all ``paths`` in order, each chunk ending on a pre-token boundary."""
-    for path in paths:
-        yield from _split_at_safe_cuts(_read_utf8_pieces(path))
-
-
-def resolve_inputs(inputs: Sequence[str]) -> list[Path]:
-    """Expand the --input arguments: files as given, folders to their *.txt files (recursive, sorted)."""
-    files: list[Path] = []
-    for raw in inputs:
-        path = Path(raw)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*.txt") if p.is_file())
-            if not found:
-                raise InputError(f"{path}: folder contains no *.txt files")
-            files.extend(found)
-        elif path.exists():
-            files.append(path)
-        else:
-            raise InputError(f"{path}: no such file or folder")
-    return files
 
 
 # --------------------------------------------------------------------------- #
@@ -390,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         files = resolve_inputs(args.input)
-        counts = count_pretokens(iter_file_texts(files))
+        counts = count_pretokens(iter_texts(files))
     except InputError as exc:
         return fail(str(exc))
     except OSError as exc:

@@ -122,6 +122,8 @@ class Sequence:
 
 
 def _sample(model_logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, float]]:
+    # a model's vocabulary may be padded past the tokenizer's (for matmul speed): those ids are never text
+    model_logits = model_logits[:, : seqs[0].tokenizer.vocab_size]
     presence = None
     if any(s.presence is not None for s in seqs):
         presence = torch.stack([s.presence if s.presence is not None
@@ -160,9 +162,19 @@ def run_batch(model: GPT, seqs: list[Sequence], prefill_chunk: int | None = None
     param = next(model.parameters())
     max_len = max(len(s.prompt) + s.params.max_new_tokens for s in seqs)
     cache = KVCache(model.config, len(seqs), max_len, dtype=param.dtype, device=param.device)
+    # Prompts of the same length are prefilled together: one (n, T) pass reads the weights once
+    # instead of n times (the same math; the batch changes only the rounding, as in decode).
+    groups: dict[int, list[int]] = {}
     for i, seq in enumerate(seqs):
-        logits = prefill(model, cache, i, seq.prompt, prefill_chunk)
-        yield i, sample_into(logits[None], [seq])[0]
+        groups.setdefault(len(seq.prompt), []).append(i)
+    for n_prompt, rows in groups.items():
+        idx = torch.tensor([seqs[i].prompt for i in rows], dtype=torch.long, device=param.device)
+        chunk = prefill_chunk or n_prompt
+        with torch.inference_mode():
+            for start in range(0, n_prompt, chunk):
+                logits = model.forward_cached(idx[:, start:start + chunk], cache, rows)
+        for i, ev in zip(rows, sample_into(logits, [seqs[i] for i in rows])):
+            yield i, ev
     while live := [i for i, s in enumerate(seqs) if not s.done]:
         last = torch.tensor([seqs[i].tokens[-1] for i in live], device=param.device)
         logits = decode_step(model, cache, live, last)

@@ -13,6 +13,7 @@ keeps the Hugging Face import a transpose-and-copy.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn as nn
@@ -20,6 +21,52 @@ import torch.nn.functional as F
 
 from model.config import GPTConfig
 from model.kv_cache import CacheStep, ContextLengthError, KVCache
+
+
+def _onednn_linear_op():
+    """oneDNN's fused linear (what inductor uses on CPU), or None where this torch build lacks it."""
+    if os.environ.get("GPT_ONEDNN_LINEAR", "1") == "0" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# On CPU, fp32 nn.Linear goes to MKL, whose GEMV on this project's 2-core AMD machines uses one core
+# (GPT-2 124M's 49 batch-1 matmuls: 36.8 ms, 13.6 GB/s) and whose small-batch GEMM is slow (batch 8:
+# 56 ms). oneDNN's inner product reads the same (out, in) weights, no copy, over both threads: 21.4 ms
+# (24 GB/s) and 30 ms (bench/README.md). It has no autograd formula, so it serves only passes that need
+# no gradient: inference, and the full-recompute reference under no_grad. GPT_ONEDNN_LINEAR=0 turns it off.
+ONEDNN_LINEAR = _onednn_linear_op()
+
+
+def _post_op(act: nn.Module | None) -> tuple[str, str] | None:
+    """The oneDNN post-op computing `act` inside the matmul, or None where there is none."""
+    if act is None:
+        return "none", ""
+    if type(act) is nn.GELU:
+        return ("gelu", "tanh") if act.approximate == "tanh" else ("gelu", "none")
+    if type(act) is nn.ReLU:
+        return "relu", ""
+    return None
+
+
+def linear(x: torch.Tensor, layer: nn.Linear, act: nn.Module | None = None) -> torch.Tensor:
+    """act(layer(x)), through oneDNN when no gradient is needed on a CPU fp32 tensor (same math, faster;
+    the activation is fused into the matmul there)."""
+    if type(layer) is not nn.Linear:  # a swapped-in module (quantized, adapter, ...) does its own thing
+        y = layer(x)
+        return act(y) if act is not None else y
+    w, b = layer.weight, layer.bias
+    if (ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32
+            and w.dtype == torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        post = _post_op(act)
+        if post is not None:
+            return ONEDNN_LINEAR(x, w, b, post[0], [], post[1])
+        return act(ONEDNN_LINEAR(x, w, b, "none", [], ""))
+    y = F.linear(x, w, b)
+    return act(y) if act is not None else y
 
 
 class CausalSelfAttention(nn.Module):
@@ -34,7 +81,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, layer_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                 step: CacheStep | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = linear(x, self.c_attn).split(C, dim=2)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
@@ -43,9 +90,9 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         else:  # write the new keys into the cache, attend over everything the slot holds
             k, v = step.update(*layer_kv, k, v)  # (B, H, S, D)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=step.is_causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        return self.resid_dropout(linear(y, self.c_proj))
 
 
 class MLP(nn.Module):
@@ -58,7 +105,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+        return self.dropout(linear(linear(x, self.c_fc, self.act), self.c_proj))
 
 
 class Block(nn.Module):
@@ -141,7 +188,7 @@ class GPT(nn.Module):
         x = self._embed(idx, torch.arange(T, device=idx.device))
         for block in self.transformer.h:
             x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        logits = linear(self.transformer.ln_f(x), self.lm_head)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
@@ -164,4 +211,4 @@ class GPT(nn.Module):
         cache.advance(slots, T)
         if not all_logits:
             x = x[:, -1, :]
-        return self.lm_head(self.transformer.ln_f(x))
+        return linear(self.transformer.ln_f(x), self.lm_head)

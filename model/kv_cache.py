@@ -43,6 +43,7 @@ class KVCache:
         # Tokens held per slot. Plain ints: the scheduler reads them every step and
         # they must not force a device sync.
         self.lengths = [0] * n_slots
+        self._arange = torch.arange(max_len, device=device)  # positions are views of this
 
     @property
     def device(self) -> torch.device:
@@ -62,25 +63,33 @@ class KVCache:
             )
 
     def plan(self, slots: list[int], n_tokens: int) -> CacheStep:
-        """Index tensors for writing `n_tokens` new tokens into each of `slots` and attending over them."""
+        """Index tensors for writing `n_tokens` new tokens into each of `slots` and attending over them.
+
+        The common cases need no mask: slots that all hold the same number of tokens decode one token
+        each (every cached key is visible) or prefill from empty (plain causal attention). Slots of
+        equal length are written with a slice instead of a scatter. A mask is built only when the
+        slots' lengths differ or a chunk of several tokens continues a partly filled slot.
+        """
         for s in slots:
             self.check_room(s, n_tokens)
         device = self.device
-        starts = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long)
-        positions = starts[:, None] + torch.arange(n_tokens)[None, :]  # (B, T)
-        kv_len = max(self.lengths[s] for s in slots) + n_tokens
-        # key j is visible to the query at position p iff j <= p (causal, and masks stale/unused entries)
-        mask = torch.arange(kv_len)[None, None, :] <= positions[:, :, None]  # (B, T, S)
+        lengths = [self.lengths[s] for s in slots]
         first = slots[0]
         contiguous = slots == list(range(first, first + len(slots)))
-        return CacheStep(
-            slot_index=torch.tensor(slots, dtype=torch.long, device=device),
-            # contiguous slots are read as a view; others need a gather (a copy)
-            slot_range=slice(first, first + len(slots)) if contiguous else None,
-            positions=positions.to(device),
-            mask=mask[:, None].to(device),  # (B, 1, T, S) broadcast over heads
-            kv_len=kv_len,
-        )
+        kv_len = max(lengths) + n_tokens
+        slot_index = torch.tensor(slots, dtype=torch.long, device=device)
+        slot_range = slice(first, first + len(slots)) if contiguous else None  # a view; others need a gather
+        start = lengths[0]
+        uniform = all(n == start for n in lengths)
+        if uniform and (n_tokens == 1 or start == 0):
+            positions = self._arange[start:start + n_tokens].expand(len(slots), n_tokens)
+            return CacheStep(slot_index, slot_range, positions, None, kv_len, start=start, is_causal=n_tokens > 1)
+        starts = torch.tensor(lengths, dtype=torch.long)
+        positions = starts[:, None] + torch.arange(n_tokens)[None, :]  # (B, T)
+        # key j is visible to the query at position p iff j <= p (causal, and masks stale/unused entries)
+        mask = torch.arange(kv_len)[None, None, :] <= positions[:, :, None]  # (B, T, S)
+        return CacheStep(slot_index, slot_range, positions.to(device), mask[:, None].to(device), kv_len,
+                         start=start if uniform else None)
 
     def advance(self, slots: list[int], n_tokens: int) -> None:
         for s in slots:
@@ -94,15 +103,26 @@ class CacheStep:
     slot_index: torch.Tensor  # (B,) slot of each batch row
     slot_range: slice | None  # the same as a slice when the slots are contiguous
     positions: torch.Tensor  # (B, T) absolute position of each new token
-    mask: torch.Tensor  # (B, 1, T, S) bool attention mask over the first S cache entries
+    mask: torch.Tensor | None  # (B, 1, T, S) bool attention mask over the first S cache entries; None: not needed
     kv_len: int  # S
+    start: int | None = None  # the length every slot holds before this step, when they all hold the same
+    is_causal: bool = False  # no mask, plain causal attention (T new tokens into empty slots, S == T)
 
     def update(self, cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (B, H, T, D) in place and return the keys/values to attend over (B, H, S, D)."""
-        rows = self.slot_index[:, None]  # (B, 1) broadcast against positions (B, T)
-        # advanced indices on dims 0 and 2 → the indexed view is (B, T, H, D)
-        cache_k[rows, :, self.positions] = k.transpose(1, 2)
-        cache_v[rows, :, self.positions] = v.transpose(1, 2)
+        if self.start is not None:  # every row writes the same positions: a slice
+            cols = slice(self.start, self.start + k.size(2))
+            if self.slot_range is not None:
+                cache_k[self.slot_range, :, cols] = k
+                cache_v[self.slot_range, :, cols] = v
+            else:
+                cache_k[self.slot_index, :, cols] = k
+                cache_v[self.slot_index, :, cols] = v
+        else:
+            rows = self.slot_index[:, None]  # (B, 1) broadcast against positions (B, T)
+            # advanced indices on dims 0 and 2 → the indexed view is (B, T, H, D)
+            cache_k[rows, :, self.positions] = k.transpose(1, 2)
+            cache_v[rows, :, self.positions] = v.transpose(1, 2)
         if self.slot_range is not None:
             return cache_k[self.slot_range, :, : self.kv_len], cache_v[self.slot_range, :, : self.kv_len]
         return cache_k[self.slot_index, :, : self.kv_len], cache_v[self.slot_index, :, : self.kv_len]

@@ -132,3 +132,14 @@ def test_gpt2_preset_parameter_count():
         model = GPT(GPTConfig.preset("gpt2"))
     assert model.num_params() == 124_439_808 - 1024 * 768  # GPT-2 small, tied head, without positions
     assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_padded_vocabulary_never_samples_a_padding_id():
+    model = tiny_model(vocab_size=320)  # the byte tokenizer has 257 tokens; ids 257..319 are padding
+    with torch.no_grad():
+        model.lm_head.weight[257:] = 10.0  # padding rows would win every argmax and most samples
+    tok = _tok()
+    for params in (SamplingParams(max_new_tokens=8, temperature=0),
+                   SamplingParams(max_new_tokens=8, temperature=1.0, repetition_penalty=1.2, seed=1)):
+        seq = generate(model, tok, [tok.encode("pad")], params)[0]
+        assert all(t < tok.vocab_size for t in seq.tokens)

@@ -43,6 +43,7 @@ serve: install
 bench: install
 	$(PY) -m bench.decode
 	$(PY) -m bench.train
+	$(PY) -m bench.serve
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Benchmarks: decode speed vs transformers, server load, training throughput (`make bench`)."""

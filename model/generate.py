@@ -36,15 +36,22 @@ def check_context(n_prompt: int, max_new_tokens: int, block_size: int) -> None:
 
 
 @torch.inference_mode()
-def prefill(model: GPT, cache: KVCache, slot: int, tokens: list[int] | torch.Tensor,
+def prefill(model: GPT, cache: KVCache, slots: int | list[int], tokens: list | torch.Tensor,
             chunk_size: int | None = None) -> torch.Tensor:
-    """Run a prompt into an empty or partly filled slot; returns the logits after its last token (vocab,)."""
-    idx = torch.as_tensor(tokens, dtype=torch.long, device=cache.device).view(1, -1)
-    cache.check_room(slot, idx.size(1))
+    """Run prompts into empty or partly filled slots, `chunk_size` tokens per forward pass.
+
+    One slot and a (T,) prompt → the logits after its last token (vocab,). Several slots and
+    equal-length prompts (B, T) → (B, vocab): one pass reads the weights once for all of them.
+    """
+    single = isinstance(slots, int)
+    rows = [slots] if single else list(slots)
+    idx = torch.as_tensor(tokens, dtype=torch.long, device=cache.device).view(len(rows), -1)
+    for s in rows:
+        cache.check_room(s, idx.size(1))
     chunk = chunk_size or idx.size(1)
     for start in range(0, idx.size(1), chunk):
-        logits = model.forward_cached(idx[:, start:start + chunk], cache, [slot])
-    return logits[0]
+        logits = model.forward_cached(idx[:, start:start + chunk], cache, rows)
+    return logits[0] if single else logits
 
 
 @torch.inference_mode()
@@ -167,12 +174,8 @@ def run_batch(model: GPT, seqs: list[Sequence], prefill_chunk: int | None = None
     groups: dict[int, list[int]] = {}
     for i, seq in enumerate(seqs):
         groups.setdefault(len(seq.prompt), []).append(i)
-    for n_prompt, rows in groups.items():
-        idx = torch.tensor([seqs[i].prompt for i in rows], dtype=torch.long, device=param.device)
-        chunk = prefill_chunk or n_prompt
-        with torch.inference_mode():
-            for start in range(0, n_prompt, chunk):
-                logits = model.forward_cached(idx[:, start:start + chunk], cache, rows)
+    for rows in groups.values():
+        logits = prefill(model, cache, rows, [seqs[i].prompt for i in rows], prefill_chunk)
         for i, ev in zip(rows, sample_into(logits, [seqs[i] for i in rows])):
             yield i, ev
     while live := [i for i, s in enumerate(seqs) if not s.done]:

@@ -143,3 +143,14 @@ def test_padded_vocabulary_never_samples_a_padding_id():
                    SamplingParams(max_new_tokens=8, temperature=1.0, repetition_penalty=1.2, seed=1)):
         seq = generate(model, tok, [tok.encode("pad")], params)[0]
         assert all(t < tok.vocab_size for t in seq.tokens)
+
+
+def test_equal_length_prompts_prefilled_together_match_solo():
+    model = tiny_model(vocab_size=257)
+    tok = _tok()
+    prompts = [tok.encode(t) for t in ["abcd", "wxyz", "abcd", "hello"]]  # three share a length: one prefill pass
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, seed=5)
+    batched = generate(model, tok, prompts, params, prefill_chunk=3)
+    for p, seq in zip(prompts, batched):
+        assert seq.tokens == generate(model, tok, [p], params)[0].tokens
+    assert batched[0].tokens == batched[2].tokens  # same prompt, same seed

@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model.config import GPTConfig
-from model.gpt import GPT
+from model.gpt import GPT, sinusoidal_table
 from model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 CONFIG, WEIGHTS, TOKENIZER, METADATA = "config.json", "model.safetensors", "tokenizer.json", "metadata.json"
@@ -114,7 +114,6 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
     model.load_state_dict(state, strict=False, assign=True)
     model.lm_head.weight = model.transformer.wte.weight  # re-tie after assign
     if config.position == "sinusoidal":  # a buffer, not stored: rebuild it off the meta device
-        from model.gpt import sinusoidal_table
         model.pos_table = sinusoidal_table(config.block_size, config.n_embd)
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return Checkpoint(path, model.eval(), tokenizer, config, metadata)

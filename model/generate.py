@@ -2,9 +2,10 @@
 
 The split follows gpt-fast: `prefill` runs a whole prompt into a KV-cache slot
 (in chunks, so a server can interleave them with decode steps), `decode_step`
-runs one token for every active slot at once. `Sequence` owns everything that is
-per request (sampling params, random stream, seen tokens, streaming detokenizer,
-stop strings, finish reason), so a scheduler only moves token ids around.
+runs one token for every active slot at once. `model.sampling.Sampler` holds the
+per-slot sampling state on the device and picks the tokens; `Sequence` owns what is
+per request on the host (parameters, seed, streaming detokenizer, stop strings,
+finish reason), so a scheduler only moves token ids around.
 `generate` / `stream_generate` drive a fixed batch of prompts to completion; the
 HTTP server uses the same pieces with requests joining and leaving between steps.
 """
@@ -19,7 +20,7 @@ import torch
 
 from model.gpt import GPT
 from model.kv_cache import ContextLengthError, KVCache
-from model.sampling import SamplingParams, sample_next
+from model.sampling import Sampler, SamplingParams
 from model.stopping import FinishReason, StopMatcher
 from model.tokenizer import Tokenizer
 
@@ -55,7 +56,7 @@ def prefill(model: GPT, cache: KVCache, slots: int | list[int], tokens: list | t
 
 
 @torch.inference_mode()
-def decode_step(model: GPT, cache: KVCache, slots: list[int], tokens: torch.Tensor) -> torch.Tensor:
+def decode_step(model: GPT, cache: KVCache, slots: list[int] | range, tokens: torch.Tensor) -> torch.Tensor:
     """One new token (B,) for each slot → next-token logits (B, vocab)."""
     return model.forward_cached(tokens.view(-1, 1), cache, slots)
 
@@ -86,11 +87,7 @@ class Sequence:
         self.params.validate()
         # a seed is always chosen up front and reported, so any result can be reproduced
         self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator().manual_seed(self.seed)
-        self.presence: torch.Tensor | None = None
-        if self.params.repetition_penalty != 1.0:
-            self.presence = torch.zeros(self.tokenizer.vocab_size, dtype=torch.bool)
-            self.presence[torch.tensor(self.prompt, dtype=torch.long)] = True
+        self._eot = self.tokenizer.eot_id if self.params.stop_at_eos else None
         self._detok = self.tokenizer.stream_decoder()
         self._stops = StopMatcher(self.params.stop)
 
@@ -105,9 +102,7 @@ class Sequence:
     def append(self, token_id: int, logprob: float) -> TokenEvent:
         """Record a sampled token, release the text it completes and decide whether the sequence is done."""
         self.tokens.append(token_id)
-        if self.presence is not None:
-            self.presence[token_id] = True
-        if token_id == self.tokenizer.eot_id and self.params.stop_at_eos:
+        if token_id == self._eot:
             # the special token itself adds no text; release anything still held back
             ev = TokenEvent(token_id, self._detok.flush() + self._stops.flush(), logprob, special=True,
                             finish_reason=FinishReason.EOS)
@@ -128,22 +123,10 @@ class Sequence:
         return ev
 
 
-def _sample(model_logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, float]]:
-    # a model's vocabulary may be padded past the tokenizer's (for matmul speed): those ids are never text
-    model_logits = model_logits[:, : seqs[0].tokenizer.vocab_size]
-    presence = None
-    if any(s.presence is not None for s in seqs):
-        presence = torch.stack([s.presence if s.presence is not None
-                                else torch.zeros(model_logits.size(-1), dtype=torch.bool) for s in seqs])
-        presence = presence.to(model_logits.device)
-    tokens, logprobs = sample_next(model_logits, [s.params for s in seqs], [s.generator for s in seqs], presence)
-    # one device→host copy per step for the whole batch
-    return list(zip(tokens.tolist(), logprobs.tolist()))
-
-
-def sample_into(logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenEvent]:
-    """Sample one token for each sequence from its row of logits (B, vocab) and append it."""
-    return [s.append(t, lp) for s, (t, lp) in zip(seqs, _sample(logits, seqs))]
+def sample_into(sampler: Sampler, logits: torch.Tensor, slots: range | list[int],
+                seqs: list[Sequence]) -> list[TokenEvent]:
+    """Pick one token per slot from logits (B, vocab), append each to its sequence, return the events."""
+    return [s.append(d.token, d.logprob) for s, d in zip(seqs, sampler.step(logits, slots))]
 
 
 def make_sequences(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],
@@ -169,6 +152,9 @@ def run_batch(model: GPT, seqs: list[Sequence], prefill_chunk: int | None = None
     param = next(model.parameters())
     max_len = max(len(s.prompt) + s.params.max_new_tokens for s in seqs)
     cache = KVCache(model.config, len(seqs), max_len, dtype=param.dtype, device=param.device)
+    sampler = Sampler(len(seqs), seqs[0].tokenizer.vocab_size, max_len, param.device)
+    for i, seq in enumerate(seqs):
+        sampler.admit(i, seq.params, seq.prompt, seed=seq.seed)
     # Prompts of the same length are prefilled together: one (n, T) pass reads the weights once
     # instead of n times (the same math; the batch changes only the rounding, as in decode).
     groups: dict[int, list[int]] = {}
@@ -176,13 +162,26 @@ def run_batch(model: GPT, seqs: list[Sequence], prefill_chunk: int | None = None
         groups.setdefault(len(seq.prompt), []).append(i)
     for rows in groups.values():
         logits = prefill(model, cache, rows, [seqs[i].prompt for i in rows], prefill_chunk)
-        for i, ev in zip(rows, sample_into(logits, [seqs[i] for i in rows])):
+        for i, ev in zip(rows, sample_into(sampler, logits, rows, [seqs[i] for i in rows])):
             yield i, ev
-    while live := [i for i, s in enumerate(seqs) if not s.done]:
-        last = torch.tensor([seqs[i].tokens[-1] for i in live], device=param.device)
-        logits = decode_step(model, cache, live, last)
-        for i, ev in zip(live, sample_into(logits, [seqs[i] for i in live])):
+    live = list(range(len(seqs)))  # live[slot] = index of the sequence in that slot
+    while live := _compact(cache, sampler, live, seqs):
+        slots = range(len(live))
+        logits = decode_step(model, cache, slots, sampler.last[:len(live)])
+        for i, ev in zip(live, sample_into(sampler, logits, slots, [seqs[i] for i in live])):
             yield i, ev
+
+
+def _compact(cache: KVCache, sampler: Sampler, live: list[int], seqs: list[Sequence]) -> list[int]:
+    """Drop finished sequences and move the others down to slots 0..n-1, so decode steps read views."""
+    keep = [slot for slot, i in enumerate(live) if not seqs[i].done]
+    if len(keep) != len(live):
+        moves = [(src, dst) for dst, src in enumerate(keep) if src != dst]
+        if moves:
+            src, dst = [m[0] for m in moves], [m[1] for m in moves]
+            cache.move(src, dst)
+            sampler.move(src, dst)
+    return [live[slot] for slot in keep]
 
 
 def stream_generate(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],

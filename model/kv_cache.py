@@ -41,9 +41,11 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         # Tokens held per slot. Plain ints: the scheduler reads them every step and
-        # they must not force a device sync.
+        # they must not force a device sync. A device copy feeds positions and masks
+        # when the slots of a step hold different lengths (no host→device copy per step).
         self.lengths = [0] * n_slots
-        self._arange = torch.arange(max_len, device=device)  # positions are views of this
+        self.lengths_t = torch.zeros(n_slots, dtype=torch.long, device=device)
+        self._arange = torch.arange(max(max_len, n_slots), device=device)  # positions are views of this
 
     @property
     def device(self) -> torch.device:
@@ -55,6 +57,27 @@ class KVCache:
     def reset(self, slot: int) -> None:
         """Free a slot. Old keys stay in memory but are masked out by the length."""
         self.lengths[slot] = 0
+        self.lengths_t[slot] = 0
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Move the sequences in slots `src` to slots `dst` (swaps work): a copy of what they hold, once.
+
+        The server keeps its decoding slots contiguous this way, so every decode step reads the cache
+        through views instead of gathering each layer's keys and values for the active slots.
+        """
+        n = max(self.lengths[s] for s in src)
+        s_idx, d_idx = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        if n:
+            for t in self.k + self.v:
+                t[d_idx, :, :n] = t[s_idx, :, :n]  # the right side is a gathered copy
+        moved = [self.lengths[s] for s in src]
+        for s in set(src) - set(dst):
+            self.lengths[s] = 0
+        for d, n_d in zip(dst, moved):
+            self.lengths[d] = n_d
+        self.lengths_t[d_idx] = self.lengths_t[s_idx]
+        for s in set(src) - set(dst):
+            self.lengths_t[s] = 0
 
     def check_room(self, slot: int, n_new: int) -> None:
         if self.lengths[slot] + n_new > self.max_len:
@@ -62,7 +85,7 @@ class KVCache:
                 f"slot {slot} holds {self.lengths[slot]} tokens; {n_new} more exceed the context length {self.max_len}"
             )
 
-    def plan(self, slots: list[int], n_tokens: int) -> CacheStep:
+    def plan(self, slots: list[int] | range, n_tokens: int) -> CacheStep:
         """Index tensors for writing `n_tokens` new tokens into each of `slots` and attending over them.
 
         The common cases need no mask: slots that all hold the same number of tokens decode one token
@@ -72,28 +95,35 @@ class KVCache:
         """
         for s in slots:
             self.check_room(s, n_tokens)
-        device = self.device
+        B = len(slots)
         lengths = [self.lengths[s] for s in slots]
         first = slots[0]
-        contiguous = slots == list(range(first, first + len(slots)))
+        contiguous = (isinstance(slots, range) and slots.step == 1) or list(slots) == list(range(first, first + B))
         kv_len = max(lengths) + n_tokens
-        slot_index = torch.tensor(slots, dtype=torch.long, device=device)
-        slot_range = slice(first, first + len(slots)) if contiguous else None  # a view; others need a gather
+        if contiguous:  # a view; others need a gather (built from the list: only off the server's path)
+            slot_range, slot_index = slice(first, first + B), self._arange[first:first + B]
+        else:
+            slot_range, slot_index = None, torch.tensor(list(slots), dtype=torch.long, device=self.device)
         start = lengths[0]
         uniform = all(n == start for n in lengths)
         if uniform and (n_tokens == 1 or start == 0):
-            positions = self._arange[start:start + n_tokens].expand(len(slots), n_tokens)
+            positions = self._arange[start:start + n_tokens].expand(B, n_tokens)
             return CacheStep(slot_index, slot_range, positions, None, kv_len, start=start, is_causal=n_tokens > 1)
-        starts = torch.tensor(lengths, dtype=torch.long)
-        positions = starts[:, None] + torch.arange(n_tokens)[None, :]  # (B, T)
+        starts = self.lengths_t[slot_range] if slot_range is not None else self.lengths_t[slot_index]
+        positions = starts[:, None] + self._arange[None, :n_tokens]  # (B, T)
         # key j is visible to the query at position p iff j <= p (causal, and masks stale/unused entries)
-        mask = torch.arange(kv_len)[None, None, :] <= positions[:, :, None]  # (B, T, S)
-        return CacheStep(slot_index, slot_range, positions.to(device), mask[:, None].to(device), kv_len,
+        mask = self._arange[None, None, :kv_len] <= positions[:, :, None]  # (B, T, S)
+        return CacheStep(slot_index, slot_range, positions, mask[:, None], kv_len,
                          start=start if uniform else None)
 
-    def advance(self, slots: list[int], n_tokens: int) -> None:
+    def advance(self, slots: list[int] | range, n_tokens: int) -> None:
         for s in slots:
             self.lengths[s] += n_tokens
+        first = slots[0]
+        if (isinstance(slots, range) and slots.step == 1) or len(slots) == 1:
+            self.lengths_t[first:first + len(slots)] += n_tokens
+        else:
+            self.lengths_t[torch.tensor(list(slots), device=self.device)] += n_tokens
 
 
 @dataclass

@@ -1,16 +1,48 @@
-"""Next-token selection for a batch of sequences, each with its own parameters and random stream.
+"""Next-token selection on the model's device, vectorized over the batch.
 
-Order of logit processing (as Hugging Face's): repetition penalty → temperature →
-top-k → top-p. Temperature 0 means greedy argmax. Every sampled row draws its noise
-from its own `torch.Generator`, so a seeded request gives the same tokens whether it
-runs alone or shares the batch with others.
+`Sampler` keeps every request's sampling state as tensors indexed by KV-cache slot (temperature,
+top-k, top-p, penalties, seed, the token history), written once when the request is admitted, so a
+decode step builds nothing from Python lists and reads back one small tensor.
+
+Randomness is counter-based, as in vLLM's GPU sampler (`vllm/v1/worker/gpu/sample/gumbel.py`):
+the Gumbel noise of token t at step n of a request with seed s is a hash of (s, n, t). It belongs to
+the token id, not to a rank or a batch row, so a seeded request gives the same tokens alone or in any
+batch, and a filtered row needs noise only for its candidates. Sampling is exact (Gumbel-max:
+argmax(z + G) is distributed as softmax(z)) and hierarchical, so no full vocabulary of noise is drawn:
+
+    block b  ~ softmax over blocks of logsumexp(z[b])      (noise keyed by block id)
+    token t  ~ softmax(z) within block b                   (noise keyed by token id)
+
+which is softmax(z) exactly, since P(b) = Σ_{t∈b} p_t. The block sums are the full-vocabulary pass
+that the log-probabilities need anyway; the noise is a few hundred hashes per row.
+
+Order of logit processing (Hugging Face's and vLLM's): penalties (repetition on prompt + output,
+presence and frequency on output) → temperature → top-k → top-p. Temperature 0 is greedy argmax.
+- top-k: `topk(max k)` over the batch and a per-row cut (TGI's heterogeneous top-k); no full sort.
+- top-p, exact and sort-free, by rejection (FlashInfer's scheme): draw from the row's distribution;
+  the token is in the nucleus iff the mass of strictly more likely tokens is < top_p, checked in one
+  pass. The nucleus holds mass ≥ top_p, so a draw is accepted with probability ≥ top_p; a rejected
+  draw raises a pivot (only tokens more likely than it can be in the nucleus) and the row is drawn
+  again from above the pivot with fresh noise. The accepted token is distributed exactly as the
+  renormalized nucleus. Rows whose first draw is rejected (probability ≤ 1 − top_p each) are
+  finished after the step's read-back, on those rows only.
+
+Reported log-probabilities are under the model's own distribution (raw logits, temperature 1), as
+TGI and OpenAI report them, whatever the sampling parameters were.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 import torch
+
+BLOCK_SIZE = 256  # tokens per block of the hierarchical draw (√V-ish for GPT-2's 50257)
+
+_M32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # Thomas Mueller's 32-bit mixer; < 2^27, so int64 products never overflow
+STREAM_TOKEN, STREAM_BLOCK = 0, 1  # + 2 · round for the top-p redraws
 
 
 @dataclass
@@ -20,6 +52,8 @@ class SamplingParams:
     top_k: int = 0  # 0 → off
     top_p: float = 1.0  # 1 → off; else the smallest set of tokens with probability ≥ top_p
     repetition_penalty: float = 1.0  # 1 → off; > 1 discourages tokens already in prompt or output
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted once per time a token was generated
     seed: int | None = None  # None → a random seed, reported back so the result can be reproduced
     stop: list[str] = field(default_factory=list)  # stop strings, matched on decoded text
     stop_at_eos: bool = True
@@ -37,6 +71,9 @@ class SamplingParams:
             e.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0.0 < self.repetition_penalty <= 100.0:
             e.append(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                e.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             e.append(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -52,69 +89,436 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def apply_repetition_penalty(logits: torch.Tensor, presence: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """CTRL's penalty: a seen token's logit l becomes l / p if l > 0 else l · p (lower for p > 1).
+# ---------------------------------------------------------------------------------------------- noise
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer mixer on int64 tensors holding values in [0, 2^32)."""
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    return (x >> 16) ^ x
 
-    logits (B, V) float, presence (B, V) bool, penalty (B, 1).
+
+def row_keys(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """(B,) int64 keys of the random stream `stream` at generated position `position` of requests `seed`."""
+    h = _mix32(seed & _M32)
+    h = _mix32(h ^ ((seed >> 32) & _M32))
+    h = _mix32(h ^ (position & _M32))
+    return _mix32(h ^ (stream & _M32))
+
+
+def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise (B, N) float32 for ids (B, N) or (N,) under per-row keys (B,): a pure function."""
+    x = _mix32(keys[:, None] ^ ids)
+    x = _mix32(x ^ (keys[:, None] >> 7))
+    u = (x.to(torch.float64) + 0.5) * 2.0**-32  # in (0, 1), never 0 or 1
+    return (-torch.log(-torch.log(u))).float()
+
+
+# ---------------------------------------------------------------------------------------------- state
+@dataclass(frozen=True)
+class _Kind:
+    """What a slot's parameters need, on the host (decides which code runs; no device reads)."""
+
+    greedy: bool
+    top_k: int
+    top_p: bool
+    repetition: bool
+    presence_frequency: bool
+    unit_temperature: bool
+    top_n: int
+
+
+@dataclass
+class _Plan:
+    """The host-side view of one batch composition, cached until a slot changes."""
+
+    n: int
+    rows: slice | torch.Tensor  # the slots as a view (contiguous) or an index
+    index: torch.Tensor  # the slots as an index (B,)
+    greedy: torch.Tensor | None  # (B,) bool where greedy, None when no row or every row is
+    all_greedy: bool
+    any_sampled: bool  # temperature rows without top-k
+    topk_rows: torch.Tensor | None  # batch rows with top-k (None: none; all rows: topk_all)
+    topk_all: bool
+    k_max: int
+    top_p: bool  # some temperature row (not top-k) has top-p
+    top_p_in_k: bool
+    repetition: bool
+    presence_frequency: bool
+    z_is_raw: bool  # no penalty, temperature 1 everywhere: processed logits == raw logits
+    top_n: int
+
+
+@dataclass
+class Draw:
+    """One token per row as the host sees it."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None  # the top_n most likely (id, logprob) under the raw distribution
+
+
+class Sampler:
+    """Per-slot sampling state on the device and the batched, seeded next-token choice.
+
+    `admit` a request into a slot (writes its parameters and prompt), `step(logits, slots)` picks one
+    token per row, reads the batch back once and records the tokens; `last` holds each slot's newest
+    token for the next decode step. `move` follows a request to another slot.
     """
-    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(presence, penalized, logits)
+
+    def __init__(self, n_slots: int, vocab_size: int, max_len: int, device: torch.device | str = "cpu",
+                 block_size: int = BLOCK_SIZE) -> None:
+        self.n_slots, self.vocab_size, self.max_len = n_slots, vocab_size, max_len
+        self.device = torch.device(device)
+        self.block = block_size
+        self.n_blocks = (vocab_size + 1 + block_size - 1) // block_size  # +1: column V is a -inf sink
+        self.padded = self.n_blocks * block_size
+        dev, n = self.device, n_slots
+        f32 = dict(dtype=torch.float32, device=dev)
+        i64 = dict(dtype=torch.long, device=dev)
+        self.inv_temp = torch.ones(n, **f32)
+        self.top_k = torch.zeros(n, **i64)
+        self.top_p = torch.ones(n, **f32)
+        self.repetition = torch.ones(n, **f32)
+        self.presence = torch.zeros(n, **f32)
+        self.frequency = torch.zeros(n, **f32)
+        self.seed = torch.zeros(n, **i64)
+        self.history = torch.full((n, max_len), vocab_size, **i64)  # prompt + output ids; V = empty
+        self.length = torch.zeros(n, **i64)  # entries used in history
+        self.prompt_len = torch.zeros(n, **i64)
+        self.first = torch.zeros(n, max_len, dtype=torch.bool, device=dev)  # output token new at that position
+        self.seen = torch.zeros(n, self.padded, dtype=torch.bool, device=dev)  # tokens output so far
+        self.last = torch.zeros(n, **i64)  # the newest token of each slot: the next decode step's input
+        self._state = ["inv_temp", "top_k", "top_p", "repetition", "presence", "frequency", "seed", "history",
+                       "length", "prompt_len", "first", "seen", "last"]
+        self._kinds: list[_Kind | None] = [None] * n
+        # workspaces (rows are batch rows, not slots); padding columns stay -inf
+        self._z = torch.full((n, self.padded), float("-inf"), **f32)
+        self._e = torch.empty(n, self.padded, **f32)
+        self._tmp = torch.full((n, self.padded), float("-inf"), **f32)
+        self._block_ids = torch.arange(self.n_blocks, **i64)
+        self._in_block = torch.arange(block_size, **i64)
+        self._cols = torch.arange(max_len, **i64)
+        self._plans: dict = {}
+        self.read_backs = 0  # device→host copies made (tests count them)
+
+    # ------------------------------------------------------------------ slots
+    def admit(self, slot: int, params: SamplingParams, prompt: list[int], seed: int | None = None) -> int:
+        """Write a request's parameters and prompt into `slot`; returns the seed used.
+
+        The seed is `seed`, else `params.seed`, else a random one (reported so the result can be reproduced).
+        """
+        n = len(prompt)
+        if seed is None:
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
+        if not 0 < n <= self.max_len:
+            raise ValueError(f"prompt of {n} tokens does not fit the sampler's {self.max_len} positions")
+        greedy = params.temperature == 0.0
+        self.inv_temp[slot] = 1.0 if greedy else 1.0 / params.temperature
+        self.top_k[slot] = params.top_k if params.top_k > 0 else self.vocab_size
+        self.top_p[slot] = params.top_p
+        self.repetition[slot] = params.repetition_penalty
+        self.presence[slot] = params.presence_penalty
+        self.frequency[slot] = params.frequency_penalty
+        self.seed[slot] = seed
+        self.history[slot, :n] = torch.as_tensor(prompt, dtype=torch.long).to(self.device)
+        self.history[slot, n:] = self.vocab_size
+        self.length[slot] = n
+        self.prompt_len[slot] = n
+        self.first[slot] = False
+        self.seen[slot] = False
+        self.last[slot] = prompt[-1]
+        top_k = params.top_k if not greedy and 0 < params.top_k < self.vocab_size else 0
+        self._kinds[slot] = _Kind(
+            greedy=greedy, top_k=top_k, top_p=not greedy and params.top_p < 1.0,
+            repetition=params.repetition_penalty != 1.0,
+            presence_frequency=params.presence_penalty != 0.0 or params.frequency_penalty != 0.0,
+            unit_temperature=greedy or params.temperature == 1.0, top_n=0)
+        self._plans.clear()
+        return seed
+
+    def set_top_n(self, slot: int, top_n: int) -> None:
+        """Ask for the top_n most likely tokens of this slot at every step (logprobs alternatives)."""
+        k = self._kinds[slot]
+        if k is not None and k.top_n != top_n:
+            self._kinds[slot] = _Kind(**{**k.__dict__, "top_n": top_n})
+            self._plans.clear()
+
+    def release(self, slot: int) -> None:
+        self._kinds[slot] = None
+        self._plans.clear()
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Move the requests in slots `src` to slots `dst` (a permutation of them is fine: swaps work)."""
+        s = torch.tensor(src, device=self.device)
+        d = torch.tensor(dst, device=self.device)
+        for name in self._state:
+            t = getattr(self, name)
+            t[d] = t[s]  # the right side is gathered into a new tensor first
+        kinds = [self._kinds[i] for i in src]
+        for i, k in zip(dst, kinds):
+            self._kinds[i] = k
+        for i in set(src) - set(dst):
+            self._kinds[i] = None
+        self._plans.clear()
+
+    def prompt_slice(self, slot: int, start: int, stop: int) -> torch.Tensor:
+        """Prompt tokens [start, stop) of a slot, already on the device (prefill input)."""
+        return self.history[slot, start:stop]
+
+    # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def step(self, logits: torch.Tensor, slots: range | list[int]) -> list[Draw]:
+        """Pick one token per row of logits (B, ≥ vocab) for `slots`, record them, return them on the host."""
+        plan = self._plan(slots)
+        token, logprob, accepted, top_ids, top_lp, ctx = self._sample(logits, plan)
+        parts = [token.double()[:, None], logprob.double()[:, None]]
+        if accepted is not None:
+            parts.append(accepted.double()[:, None])
+        if top_ids is not None:
+            parts += [top_ids.double(), top_lp.double()]
+        host = torch.cat(parts, 1).tolist()  # the one device→host copy of the step
+        self.read_backs += 1
+        rows = host
+        if accepted is not None and not all(r[2] for r in rows):
+            rejected = [i for i, r in enumerate(rows) if not r[2]]
+            fixed = self._redraw_top_p(rejected, token, plan, ctx)
+            for i, (t, lp) in zip(rejected, fixed):
+                rows[i][0], rows[i][1] = t, lp
+            token = token.clone()
+            token[torch.tensor(rejected, device=self.device)] = torch.tensor([t for t, _ in fixed], device=self.device)
+        self._commit(plan, token)
+        n = plan.top_n
+        first_top = 3 if accepted is not None else 2
+        out = []
+        for r in rows:
+            top = None
+            if n:
+                ids, lps = r[first_top:first_top + n], r[first_top + n:first_top + 2 * n]
+                top = [(int(i), lp) for i, lp in zip(ids, lps)]
+            out.append(Draw(int(r[0]), r[1], top))
+        return out
+
+    def _plan(self, slots: range | list[int]) -> _Plan:
+        key = ("range", slots.start, slots.stop) if isinstance(slots, range) and slots.step == 1 else tuple(slots)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._make_plan(list(slots))
+        return plan
+
+    def _make_plan(self, slots: list[int]) -> _Plan:
+        kinds = [self._kinds[s] for s in slots]
+        if any(k is None for k in kinds):
+            raise ValueError(f"a slot in {slots} holds no request")
+        dev, n = self.device, len(slots)
+        contiguous = slots == list(range(slots[0], slots[0] + n))
+        index = torch.tensor(slots, device=dev)
+        rows = slice(slots[0], slots[0] + n) if contiguous else index
+        greedy = [k.greedy for k in kinds]
+        topk = [i for i, k in enumerate(kinds) if k.top_k]
+        sampled = [i for i, k in enumerate(kinds) if not k.greedy and not k.top_k]
+        return _Plan(
+            n=n, rows=rows, index=index,
+            greedy=torch.tensor(greedy, device=dev) if 0 < sum(greedy) < n else None,
+            all_greedy=all(greedy), any_sampled=bool(sampled),
+            topk_rows=torch.tensor(topk, device=dev) if topk else None, topk_all=len(topk) == n,
+            k_max=max((kinds[i].top_k for i in topk), default=0),
+            top_p=any(kinds[i].top_p for i in sampled), top_p_in_k=any(kinds[i].top_p for i in topk),
+            repetition=any(k.repetition for k in kinds),
+            presence_frequency=any(k.presence_frequency for k in kinds),
+            z_is_raw=all(k.unit_temperature and not k.repetition and not k.presence_frequency for k in kinds),
+            top_n=max(k.top_n for k in kinds))
+
+    def _sample(self, logits: torch.Tensor, plan: _Plan):
+        B, V, BS, NB = plan.n, self.vocab_size, self.block, self.n_blocks
+        if logits.size(0) != B or logits.size(1) < V:
+            raise ValueError(f"logits {tuple(logits.shape)} for {B} slots and a vocabulary of {V}")
+        rows = plan.rows
+        raw = logits[:, :V].float()  # a padded model vocabulary is never sampled
+        z = self._z[:B]
+        zv = z[:, :V]
+        inv_t = self.inv_temp[rows]
+        if plan.repetition or plan.presence_frequency:
+            zv.copy_(raw)
+            self._penalize(z, plan)
+            if not plan.z_is_raw:
+                zv.mul_(inv_t[:, None])
+        elif plan.z_is_raw:
+            zv.copy_(raw)
+        else:
+            torch.mul(raw, inv_t[:, None], out=zv)
+        zb = z.view(B, NB, BS)
+        bmax = zb.amax(-1)  # (B, NB)
+        m = bmax.amax(-1, keepdim=True)  # (B, 1)
+        e = torch.sub(z, m, out=self._e[:B]).exp_()  # exp(z - max); 0 on padding and filtered tokens
+        bsum = e.view(B, NB, BS).sum(-1)  # (B, NB)
+        total = bsum.sum(-1)  # (B,)
+        # log-normalizer of the raw distribution, for the reported log-probabilities
+        if plan.z_is_raw:
+            lse = m[:, 0] + total.log()
+        else:
+            m_raw = raw.amax(-1, keepdim=True)
+            lse = m_raw[:, 0] + torch.sub(raw, m_raw, out=self._tmp[:B, :V]).exp_().sum(-1).log()
+
+        seed = self.seed[rows]
+        position = self.length[rows] - self.prompt_len[rows]  # index of the token being generated
+        token = None
+        if plan.all_greedy or plan.greedy is not None:
+            token = self._block_argmax(zb, bmax.argmax(-1))
+        if plan.any_sampled:
+            key_b = row_keys(seed, position, STREAM_BLOCK)
+            key_t = row_keys(seed, position, STREAM_TOKEN)
+            block = (bsum.log() + gumbel(key_b, self._block_ids)).argmax(-1)
+            sampled = self._block_draw(zb, block, key_t)
+            token = sampled if token is None else torch.where(plan.greedy, token, sampled)
+        if plan.topk_rows is not None:
+            tk = self._top_k_draw(z, plan, seed, position)
+            if plan.topk_all:
+                token = tk
+            else:
+                token = token.clone() if token is not None else torch.zeros(B, dtype=torch.long, device=z.device)
+                token[plan.topk_rows] = tk
+        logprob = raw.gather(1, token[:, None])[:, 0] - lse
+
+        accepted = None
+        if plan.top_p:
+            # membership in the nucleus: mass of strictly more likely tokens < top_p · total, one pass.
+            # Σ_j e_j [e_j > e_s] = Σ relu(e_j − e_s) + e_s · #{e_j > e_s}: no boolean tensors, no where.
+            e_s = e.gather(1, token[:, None])
+            r = torch.sub(e, e_s, out=self._tmp[:B]).clamp_(min=0)
+            above = r.sum(-1) + e_s[:, 0] * r.sign_().sum(-1)
+            accepted = (above < self.top_p[rows] * total) | (self.top_p[rows] >= 1.0)
+            if plan.greedy is not None:
+                accepted |= plan.greedy
+            if plan.topk_rows is not None:
+                accepted[plan.topk_rows] = True
+
+        top_ids = top_lp = None
+        if plan.top_n:
+            if plan.z_is_raw:
+                rb, rbmax = zb, bmax
+            else:
+                self._tmp[:B, :V] = raw
+                self._tmp[:B, V:] = float("-inf")
+                rb = self._tmp[:B].view(B, NB, BS)
+                rbmax = rb.amax(-1)
+            n = min(plan.top_n, V)
+            blocks = rbmax.topk(min(n, NB), -1).indices  # the n best tokens lie in the n best blocks
+            cand = rb.gather(1, blocks[:, :, None].expand(-1, -1, BS)).view(B, -1)
+            cand_ids = (blocks[:, :, None] * BS + self._in_block).view(B, -1)
+            vals, pos = cand.topk(n, -1)
+            top_ids, top_lp = cand_ids.gather(1, pos), vals - lse[:, None]
+        ctx = (raw, e, total, lse, seed, position)
+        return token, logprob, accepted, top_ids, top_lp, ctx
+
+    def _block_argmax(self, zb: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        """Greedy: the best block by its max, then the best token in it (first index on ties, as argmax)."""
+        within = zb.gather(1, block[:, None, None].expand(-1, 1, self.block))[:, 0]  # (B, BS)
+        return block * self.block + within.argmax(-1)
+
+    def _block_draw(self, zb: torch.Tensor, block: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """The token of the chosen block: argmax of z + Gumbel noise keyed by token id."""
+        within = zb.gather(1, block[:, None, None].expand(-1, 1, self.block))[:, 0]  # (B, BS)
+        ids = block[:, None] * self.block + self._in_block  # (B, BS)
+        return block * self.block + (within + gumbel(key, ids)).argmax(-1)
+
+    def _top_k_draw(self, z: torch.Tensor, plan: _Plan, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Rows with top-k: their k best (one topk(max k) for the batch), top-p inside them, Gumbel-max."""
+        sel = plan.topk_rows
+        zk = z if plan.topk_all else z[sel]
+        vals, ids = zk.topk(plan.k_max, -1)  # sorted, best first
+        k = self.top_k[plan.rows][sel]
+        vals = vals.masked_fill(self._cols_k(plan.k_max)[None, :] >= k[:, None], float("-inf"))
+        if plan.top_p_in_k:
+            p = self.top_p[plan.rows][sel]
+            probs = torch.softmax(vals, -1)
+            before = torch.cumsum(probs, -1) - probs
+            # a token stays while the mass of the better ones is < p; the best one always stays
+            vals = vals.masked_fill((before >= p[:, None]) & (p[:, None] < 1.0), float("-inf"))
+        key = row_keys(seed[sel], position[sel], STREAM_TOKEN)
+        return ids.gather(1, (vals + gumbel(key, ids)).argmax(-1, keepdim=True))[:, 0]
+
+    def _cols_k(self, k: int) -> torch.Tensor:
+        return self._in_block[:k] if k <= self.block else torch.arange(k, device=self.device)
+
+    def _redraw_top_p(self, rejected: list[int], token: torch.Tensor, plan: _Plan, ctx) -> list[tuple[int, float]]:
+        """Rows whose draw fell outside the nucleus: draw again above the pivot until accepted (exact).
+
+        Runs on the rejected rows only; each round raises the pivot to the rejected token's probability.
+        """
+        raw, e, total, lse, seed, position = ctx
+        idx = torch.tensor(rejected, device=self.device)
+        z = self._z[idx]  # (R, padded) processed logits
+        e = e[idx]
+        total, lse, seed, position = total[idx], lse[idx], seed[idx], position[idx]
+        p = self.top_p[plan.rows][idx]
+        R, BS, NB = len(rejected), self.block, self.n_blocks
+        pivot = e.gather(1, token[idx][:, None])  # (R, 1)
+        result: list[tuple[int, float] | None] = [None] * R
+        live = list(range(R))
+        rnd = 0
+        while live:
+            rnd += 1
+            li = torch.tensor(live, device=self.device)
+            zl, el, pl = z[li], e[li], pivot[li]
+            keep = el > pl
+            zm = zl.masked_fill(~keep, float("-inf"))
+            bsum = el.masked_fill(~keep, 0.0).view(-1, NB, BS).sum(-1)
+            key_b = row_keys(seed[li], position[li], STREAM_BLOCK + 2 * rnd)
+            key_t = row_keys(seed[li], position[li], STREAM_TOKEN + 2 * rnd)
+            block = (bsum.log() + gumbel(key_b, self._block_ids)).argmax(-1)
+            tok = self._block_draw(zm.view(-1, NB, BS), block, key_t)
+            e_s = el.gather(1, tok[:, None])
+            above = el.masked_fill(el <= e_s, 0.0).sum(-1)
+            ok = (above < p[li] * total[li]).tolist()
+            self.read_backs += 1
+            toks = tok.tolist()
+            still = []
+            for j, (i, a) in enumerate(zip(live, ok)):
+                if a:
+                    result[i] = (toks[j], 0.0)
+                else:
+                    pivot[i] = e_s[j]
+                    still.append(i)
+            live = still
+        ids = torch.tensor([t for t, _ in result], device=self.device)
+        lps = (raw[idx].gather(1, ids[:, None])[:, 0] - lse).tolist()
+        return [(t, lp) for (t, _), lp in zip(result, lps)]
+
+    def _penalize(self, z: torch.Tensor, plan: _Plan) -> None:
+        """Penalties on the raw logits in z (B, padded), sparse: over each row's history, not the vocabulary."""
+        rows = plan.rows
+        hist = self.history[rows]  # (B, L); empty entries point at the -inf sink column V
+        if plan.repetition:
+            rp = self.repetition[rows][:, None]
+            g = z.gather(1, hist)
+            z.scatter_(1, hist, torch.where(g > 0, g / rp, g * rp))  # duplicates write the same value
+        if plan.presence_frequency:
+            length, start = self.length[rows][:, None], self.prompt_len[rows][:, None]
+            output = (self._cols[None, :] >= start) & (self._cols[None, :] < length)
+            w = self.frequency[rows][:, None] + self.presence[rows][:, None] * self.first[rows]
+            z.scatter_add_(1, hist, -(w * output))
+
+    def _commit(self, plan: _Plan, token: torch.Tensor) -> None:
+        """Record the step's tokens: history, first occurrences, seen set, length, next input."""
+        rows, r = plan.rows, plan.index
+        at = self.length[rows]
+        self.history[r, at] = token
+        self.first[r, at] = ~self.seen[r, token]
+        self.seen[r, token] = True
+        self.length[rows] += 1
+        self.last[rows] = token
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep each row's top-k tokens, then the smallest prefix (by probability) whose mass is ≥ top_p.
+def uniform_reference(seed: int, position: int, stream: int, ids: list[int]) -> list[float]:
+    """The uniforms behind `gumbel` for one row, in plain Python (tests compare against it)."""
+    def mix(x: int) -> int:
+        x = (((x >> 16) ^ x) * _MUL) & _M32
+        x = (((x >> 16) ^ x) * _MUL) & _M32
+        return (x >> 16) ^ x
 
-    logits (B, V) already divided by temperature; top_k (B,) long with 0 = off; top_p (B,) float.
-    Returns (candidate logits (B, K) sorted high to low with the removed ones at -inf, their token ids (B, K)).
-    K = V when any row needs top-p or has no top-k, else max(top_k): a partial sort is enough then.
-    """
-    V = logits.size(-1)
-    needs_full = bool((top_p < 1.0).any()) or bool((top_k == 0).any())
-    K = V if needs_full else min(int(top_k.max()), V)
-    vals, ids = torch.topk(logits, K, dim=-1)  # sorted descending
-    rank = torch.arange(K, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, V)[:, None]
-    vals = vals.masked_fill(rank >= k, float("-inf"))
-    if bool((top_p < 1.0).any()):
-        probs = torch.softmax(vals, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        # a token stays while the mass of the better ones is still < p; the top token always stays
-        vals = vals.masked_fill(mass_before >= top_p[:, None], float("-inf"))
-    return vals, ids
+    h = mix(seed & _M32)
+    h = mix(h ^ ((seed >> 32) & _M32))
+    h = mix(h ^ (position & _M32))
+    h = mix(h ^ (stream & _M32))
+    return [(mix(mix(h ^ i) ^ (h >> 7)) + 0.5) * 2.0**-32 for i in ids]
 
-
-def sample_next(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-                presence: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row. Returns (token ids (B,), log-probabilities of those tokens (B,)).
-
-    The log-probability is under the model's own distribution (raw logits, temperature 1),
-    as TGI and OpenAI report it, whatever the sampling parameters were.
-    presence (B, V) bool marks tokens seen so far; needed only if a row has a repetition penalty.
-    """
-    logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    device = logits.device
-    penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-    if presence is not None and bool((penalty != 1.0).any()):
-        logits = apply_repetition_penalty(logits, presence, penalty)
-
-    tokens = torch.argmax(logits, dim=-1)
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled:
-        rows = torch.tensor(sampled, device=device)
-        temp = torch.tensor([params[i].temperature for i in sampled], device=device)[:, None]
-        top_k = torch.tensor([params[i].top_k for i in sampled], device=device)
-        top_p = torch.tensor([params[i].top_p for i in sampled], device=device)
-        vals, ids = filter_top_k_top_p(logits[rows] / temp, top_k, top_p)
-        probs = torch.softmax(vals, dim=-1)
-        # Exponential race (argmax p / E, E ~ Exp(1)) is an exact categorical sample, never picks a
-        # zero-probability token and needs no cumsum; the noise comes from each row's own generator.
-        # Every row draws a full vocabulary of noise and keeps the first K (by rank): K depends on the
-        # other rows of the batch, and drawing only K would make a seeded row's random stream (and so
-        # its tokens) depend on who it shares the batch with.
-        V = logits.size(-1)
-        noise = torch.stack([torch.empty(V).exponential_(generator=generators[i])[: probs.size(1)] for i in sampled])
-        choice = torch.argmax(probs / noise.to(device), dim=-1, keepdim=True)
-        tokens[rows] = ids.gather(1, choice).squeeze(1)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)

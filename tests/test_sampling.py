@@ -1,73 +1,267 @@
-"""Sampling rules on hand-made logits: greedy, top-k, top-p, repetition penalty, log-probabilities."""
+"""The device-side sampler: exact distributions (chi-square), filters that never leak, seeds that do not
+depend on the batch, penalties as specified, and one device→host read-back per step."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
-from model.sampling import SamplingParams, apply_repetition_penalty, filter_top_k_top_p, sample_next
+from model.sampling import Sampler, SamplingParams, gumbel, row_keys, uniform_reference
+
+PROBS = torch.tensor([0.3, 0.2, 0.1, 0.1, 0.08, 0.07, 0.05, 0.04, 0.03, 0.01, 0.01, 0.005, 0.005])
 
 
-def _draw(logits: torch.Tensor, params: SamplingParams, n: int = 400, seed: int = 0) -> set[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return {int(sample_next(logits[None], [params], [gen])[0]) for _ in range(n)}
+def chi2_critical(df: int, z: float = 3.29) -> float:
+    """Upper critical value of chi-square at about p = 0.0005 (Wilson–Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def test_temperature_zero_is_argmax():
-    logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(0))
-    params = [SamplingParams(temperature=0.0)] * 5
-    tokens, logprobs = sample_next(logits, params, [torch.Generator() for _ in range(5)])
-    assert torch.equal(tokens, logits.argmax(-1))
-    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).max(-1).values)
+def draws(probs: torch.Tensor, params: dict, rows: int = 250, steps: int = 16, block: int = 4) -> torch.Tensor:
+    """Counts per token over rows × steps draws: every row is a request with its own seed."""
+    V = probs.numel()
+    s = Sampler(rows, V, steps + 1, block_size=block)
+    for i in range(rows):
+        s.admit(i, SamplingParams(**params), [0], seed=1000 + i)
+    logits = probs.log().expand(rows, V).contiguous()
+    counts = torch.zeros(V)
+    for _ in range(steps):
+        for d in s.step(logits, range(rows)):
+            counts[d.token] += 1
+    return counts
 
 
-def test_top_k_never_samples_outside_the_k_best():
+def assert_follows(counts: torch.Tensor, expected: torch.Tensor) -> None:
+    """Chi-square goodness of fit over the tokens with expected mass; none drawn outside it."""
+    n = counts.sum()
+    support = expected > 0
+    assert counts[~support].sum() == 0, f"drew tokens outside the support: {counts[~support]}"
+    e = expected[support] * n
+    stat = float(((counts[support] - e) ** 2 / e).sum())
+    df = int(support.sum()) - 1
+    if df > 0:
+        assert stat < chi2_critical(df), f"chi2 {stat:.1f} >= {chi2_critical(df):.1f}: {counts} vs {e}"
+
+
+def nucleus(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """Reference top-p filter by a full sort: a token stays while the mass of strictly better ones is < p."""
+    out = torch.zeros_like(probs)
+    for i, q in enumerate(probs):
+        if probs[probs > q].sum() < p:
+            out[i] = q
+    return out / out.sum()
+
+
+def top_k_filter(probs: torch.Tensor, k: int) -> torch.Tensor:
+    out = torch.zeros_like(probs)
+    idx = probs.topk(k).indices
+    out[idx] = probs[idx]
+    return out / out.sum()
+
+
+def test_noise_is_a_pure_function_of_seed_position_and_token():
+    keys = row_keys(torch.tensor([123456789012345, 7]), torch.tensor([7, 0]), 1)
+    g = gumbel(keys, torch.arange(6))
+    for row, (seed, pos) in enumerate([(123456789012345, 7), (7, 0)]):
+        ref = [-math.log(-math.log(u)) for u in uniform_reference(seed, pos, 1, list(range(6)))]
+        torch.testing.assert_close(g[row], torch.tensor(ref), rtol=1e-6, atol=1e-6)
+    assert not torch.equal(g[0], g[1])
+
+
+def test_temperature_zero_is_argmax_with_raw_logprobs():
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0))
+    logits[2, 700] = logits[2, 10] = 9.0  # a tie: the first index wins, as torch.argmax
+    s = Sampler(5, 1000, 4)
+    for i in range(5):
+        s.admit(i, SamplingParams(temperature=0.0), [1])
+    out = s.step(logits, range(5))
+    assert [d.token for d in out] == logits.argmax(-1).tolist()
+    torch.testing.assert_close(torch.tensor([d.logprob for d in out]), torch.log_softmax(logits, -1).max(-1).values)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 2.0])
+def test_temperature_sampling_follows_the_tempered_distribution(temperature):
+    expected = torch.softmax(PROBS.log() / temperature, -1)
+    assert_follows(draws(PROBS, dict(temperature=temperature)), expected)
+
+
+def test_a_wrong_distribution_fails_the_check():
+    counts = draws(PROBS, dict(temperature=1.0))
+    with pytest.raises(AssertionError):
+        assert_follows(counts, torch.softmax(PROBS.log() / 0.8, -1))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_top_k_follows_the_renormalized_k_best(k):
+    assert_follows(draws(PROBS, dict(temperature=1.0, top_k=k)), top_k_filter(PROBS, k))
+
+
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.55, 0.75, 0.95])
+def test_top_p_follows_the_renormalized_nucleus(p):
+    # p = 0.55 keeps both tied tokens at 0.1: ties are in or out together
+    assert_follows(draws(PROBS, dict(temperature=1.0, top_p=p)), nucleus(PROBS, p))
+
+
+def test_top_p_on_a_flat_distribution_exercises_the_redraws():
+    flat = torch.softmax(torch.linspace(0, 0.5, 13), -1).flip(0)
+    s_counts = draws(flat, dict(temperature=1.0, top_p=0.3))
+    assert_follows(s_counts, nucleus(flat, 0.3))
+
+
+def test_top_k_then_top_p_with_temperature():
+    tempered = torch.softmax(PROBS.log() / 0.8, -1)
+    expected = nucleus(top_k_filter(tempered, 6), 0.8)
+    assert_follows(draws(PROBS, dict(temperature=0.8, top_k=6, top_p=0.8)), expected)
+
+
+def test_top_p_never_leaves_the_nucleus_on_a_large_vocabulary():
+    V, B = 50257, 8
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(B, V, generator=gen) * 0.3
+    s = Sampler(B, V, 40)
+    for i in range(B):
+        s.admit(i, SamplingParams(temperature=0.8, top_p=0.9, seed=i), [1])
+    probs = torch.softmax(logits / 0.8, -1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p
+    for _ in range(30):
+        for row, d in enumerate(s.step(logits, range(B))):
+            rank = int((order[row] == d.token).nonzero())
+            assert before[row, rank] < 0.9 + 1e-4
+
+
+def test_top_k_never_returns_a_token_outside_the_k_best():
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(1))
     best = set(torch.topk(logits, 5).indices.tolist())
-    seen = _draw(logits, SamplingParams(temperature=5.0, top_k=5), n=2000)
-    assert seen <= best
-    assert len(seen) == 5  # at a high temperature all five show up
+    s = Sampler(64, 1000, 40)
+    for i in range(64):
+        s.admit(i, SamplingParams(temperature=5.0, top_k=5), [1], seed=i)
+    seen = {d.token for _ in range(30) for d in s.step(logits.expand(64, -1), range(64))}
+    assert seen == best  # at a high temperature all five show up, nothing else
 
 
-def test_top_p_keeps_the_smallest_set_reaching_p():
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = probs.log()
-    vals, ids = filter_top_k_top_p(logits[None], torch.tensor([0]), torch.tensor([0.8]))
-    kept = ids[0][torch.isfinite(vals[0])].tolist()
-    assert kept == [0, 1]  # 0.5 < 0.8 ≤ 0.5 + 0.3
-    vals, ids = filter_top_k_top_p(logits[None], torch.tensor([0]), torch.tensor([0.81]))
-    assert ids[0][torch.isfinite(vals[0])].tolist() == [0, 1, 2]
-    assert _draw(logits, SamplingParams(temperature=1.0, top_p=0.8)) == {0, 1}
+MIX = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.9, seed=11),
+    SamplingParams(temperature=1.0, top_p=0.6, seed=12),
+    SamplingParams(temperature=0.7, top_k=20, seed=13),
+    SamplingParams(temperature=1.2, top_k=8, top_p=0.9, seed=14),
+    SamplingParams(temperature=1.0, repetition_penalty=1.5, seed=15),
+    SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.7, seed=16),
+    SamplingParams(temperature=0.0, frequency_penalty=2.0),
+]
 
 
-def test_top_p_always_keeps_the_top_token():
-    logits = torch.tensor([3.0, 1.0, 0.0])
-    assert _draw(logits, SamplingParams(temperature=1.0, top_p=1e-6), n=50) == {0}
+def run_requests(requests: list[int], slots: list[int], n_slots: int, steps: int = 12) -> dict[int, list[int]]:
+    """Requests (indices into MIX) in the given slots; each request sees its own logits every step."""
+    V = 300
+    s = Sampler(n_slots, V, steps + 4, block_size=32)
+    for req, slot in zip(requests, slots):
+        s.admit(slot, MIX[req], [req % V, 5, 9])
+    out = {req: [] for req in requests}
+    for step in range(steps):
+        logits = torch.stack([torch.randn(V, generator=torch.Generator().manual_seed(req * 1000 + step)) * 2
+                              for req in requests])
+        for req, d in zip(requests, s.step(logits, slots)):
+            out[req].append(d.token)
+    return out
 
 
-def test_top_k_then_top_p_per_row():
-    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]]))
-    vals, ids = filter_top_k_top_p(logits, torch.tensor([3, 0]), torch.tensor([1.0, 0.6]))
-    kept = [ids[r][torch.isfinite(vals[r])].tolist() for r in range(2)]
-    assert kept == [[0, 1, 2], [0, 1]]
+def test_seeded_tokens_do_not_depend_on_the_batch():
+    alone = {req: run_requests([req], [0], 1)[req] for req in range(len(MIX))}
+    everything = run_requests(list(range(len(MIX))), list(range(len(MIX))), len(MIX))
+    reversed_in_odd_slots = run_requests([7, 5, 3, 1], [1, 3, 5, 7], 8)
+    pairs = run_requests([6, 2], [4, 0], 5)
+    for req in range(len(MIX)):
+        assert everything[req] == alone[req], req
+    for got in (reversed_in_odd_slots, pairs):
+        for req, tokens in got.items():
+            assert tokens == alone[req], req
 
 
-def test_repetition_penalty_lowers_seen_tokens_as_specified():
-    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0]])
-    presence = torch.tensor([[True, True, False, False]])
-    out = apply_repetition_penalty(logits, presence, torch.tensor([[2.0]]))
-    # positive logits are divided, negative ones multiplied: both move down; unseen ones stay
-    assert out.tolist() == [[1.0, -4.0, 1.0, -1.0]]
-    # end to end: with a strong penalty, greedy stops picking the seen best token
-    tok, _ = sample_next(logits, [SamplingParams(temperature=0, repetition_penalty=3.0)],
-                         [torch.Generator()], presence)
-    assert tok.item() == 2
+def test_different_seeds_give_different_tokens():
+    V = 500
+    s = Sampler(2, V, 40)
+    s.admit(0, SamplingParams(temperature=1.0), [1], seed=1)
+    s.admit(1, SamplingParams(temperature=1.0), [1], seed=2)
+    logits = torch.zeros(2, V)
+    a, b = zip(*[(d[0].token, d[1].token) for d in (s.step(logits, range(2)) for _ in range(20))])
+    assert a != b
 
 
-def test_sampling_is_distributed_as_the_probabilities():
-    probs = torch.tensor([0.6, 0.3, 0.1])
-    gen = torch.Generator().manual_seed(3)
-    params = SamplingParams(temperature=1.0)
-    counts = torch.zeros(3)
-    for _ in range(3000):
-        counts[sample_next(probs.log()[None], [params], [gen])[0]] += 1
-    torch.testing.assert_close(counts / counts.sum(), probs, atol=0.03, rtol=0)
+def greedy_run(logits: list[float], prompt: list[int], steps: int, **params) -> list[int]:
+    s = Sampler(1, len(logits), len(prompt) + steps)
+    s.admit(0, SamplingParams(temperature=0.0, **params), prompt)
+    return [s.step(torch.tensor([logits]), [0])[0].token for _ in range(steps)]
+
+
+def test_repetition_penalty_lowers_tokens_of_prompt_and_output():
+    # positive logits are divided, negative ones multiplied: 2 / 3 < 1, so the seen best token loses
+    assert greedy_run([2.0, -2.0, 1.0, -1.0], [0, 1], 1, repetition_penalty=3.0) == [2]
+    assert greedy_run([2.0, -2.0, 1.0, -1.0], [1], 1, repetition_penalty=3.0) == [0]
+    # output counts too: once 2 is chosen it drops to 0.633 < 0.667 (token 0, penalized by the prompt)
+    assert greedy_run([2.0, -2.0, 1.9, -1.0], [0], 2, repetition_penalty=3.0) == [2, 0]
+    assert greedy_run([2.0, -2.0, 1.9, 0.7], [0], 2, repetition_penalty=3.0) == [2, 3]
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only():
+    logits = [2.0, 1.5, -5.0]
+    # the prompt holds token 0 three times: OpenAI's penalties ignore it
+    assert greedy_run(logits, [0, 0, 0], 4, frequency_penalty=1.0) == [0, 1, 0, 1]
+    assert greedy_run(logits, [0, 0, 0], 4, presence_penalty=1.0) == [0, 1, 0, 0]
+    assert greedy_run(logits, [0], 3, presence_penalty=-2.0) == [0, 0, 0]
+
+
+def test_top_n_alternatives_are_the_most_likely_raw_tokens():
+    V = 2000
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5))
+    s = Sampler(3, V, 4, block_size=64)
+    for i in range(3):
+        s.admit(i, SamplingParams(temperature=0.5, top_k=40, seed=i), [1])
+        s.set_top_n(i, 4)
+    ref = torch.log_softmax(logits, -1).topk(4, -1)
+    for row, d in enumerate(s.step(logits, range(3))):
+        assert [t for t, _ in d.top] == ref.indices[row].tolist()
+        torch.testing.assert_close(torch.tensor([lp for _, lp in d.top]), ref.values[row])
+        torch.testing.assert_close(torch.tensor(d.logprob), torch.log_softmax(logits[row], -1)[d.token])
+
+
+class ReadBackCounter:
+    """Counts every way a tensor's values reach Python (the host syncs of a CUDA device)."""
+
+    NAMES = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        for name, fn in self.saved.items():
+            def counted(t, *a, _name=name, _fn=fn, **k):
+                self.calls.append(_name)
+                return _fn(t, *a, **k)
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.8, top_k=50),
+    dict(temperature=1.0, top_p=0.999), dict(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.5),
+])
+def test_a_step_reads_back_once(params):
+    V, B = 5000, 6
+    s = Sampler(B, V, 20)
+    for i in range(B):
+        s.admit(i, SamplingParams(**params), [1, 2], seed=i)
+        s.set_top_n(i, 3)
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(0))
+    s.step(logits, range(B))  # builds and caches the batch plan
+    with ReadBackCounter() as c:
+        for _ in range(3):
+            s.step(logits, range(B))
+    assert c.calls == ["tolist"] * 3

@@ -8,12 +8,19 @@ Scheduling (continuous / iteration-level batching). Each iteration of the worker
    a request whose prompt is complete samples its first token and joins the decoding batch;
 4. runs one decode step for every decoding sequence at once, samples a token for each, and frees
    the slots of the ones that finished (EOS, stop string, max_new_tokens).
-Requests therefore join and leave the batch between decode steps. All per-request state (sampling
-parameters, random stream, detokenizer, stop strings) lives in `model.generate.Sequence`, so a
-seeded or greedy request gives the same tokens alone or batched.
+Requests therefore join and leave the batch between decode steps. The sampling state of every slot
+(parameters, seed, token history) lives on the model's device in `model.sampling.Sampler`, and the
+noise of each token is a function of (seed, position, token id), so a seeded or greedy request gives
+the same tokens alone or batched; the host keeps the detokenizer and stop strings (`Sequence`).
 
-Results go back to asyncio through `loop.call_soon_threadsafe` into a per-request asyncio.Queue:
-a `TokenOut` per token (the last one carries `finished`), or a `Failed`.
+Decoding slots are kept contiguous (0..n-1): a request that finishes hands its slot to the last
+decoding one (its cache entries are copied once), and a request whose prefill completes moves to slot
+n. A decode step then reads the KV cache and the sampler state through views, feeds the sampler's
+device-side last tokens back into the model, and makes one device→host copy (the chosen ids, their
+log-probabilities and any top-n alternatives).
+
+Results go back to asyncio in one `loop.call_soon_threadsafe` per step (not per token) into
+per-request asyncio.Queues: a `TokenOut` per token (the last one carries `finished`), or a `Failed`.
 """
 
 from __future__ import annotations
@@ -29,10 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from model.generate import Sequence, decode_step, sample_into
+from model.generate import Sequence, decode_step
 from model.gpt import GPT
 from model.kv_cache import KVCache
-from model.sampling import SamplingParams
+from model.sampling import Sampler, SamplingParams
 from model.stopping import FinishReason
 from model.tokenizer import Tokenizer
 
@@ -153,6 +160,12 @@ class GenerationRequest:
             self.cancelled = True
 
 
+def _put_all(items: list[tuple[GenerationRequest, TokenOut | Failed]]) -> None:
+    """On the event loop: hand a step's items to their requests' queues."""
+    for r, item in items:
+        r.queue.put_nowait(item)
+
+
 class Engine:
     def __init__(self, model: GPT, tokenizer: Tokenizer, *, max_batch_size: int = 8, max_queue: int = 128,
                  prefill_chunk: int = 128, metrics=None, warmup: bool = True) -> None:
@@ -162,14 +175,16 @@ class Engine:
         self.block_size = model.config.block_size
         self.max_batch_size, self.max_queue, self.prefill_chunk = max_batch_size, max_queue, prefill_chunk
         self.cache = KVCache(model.config, max_batch_size, self.block_size, dtype=self.dtype, device=self.device)
+        self.sampler = Sampler(max_batch_size, tokenizer.vocab_size, self.block_size, self.device)
         self.metrics = metrics
         self._warmup_enabled = warmup
 
         self._cv = threading.Condition()
         self._waiting: deque[GenerationRequest] = deque()  # guarded by _cv
         self._prefilling: list[GenerationRequest] = []  # worker-owned from here on
-        self._decoding: list[GenerationRequest] = []
-        self._free = list(range(max_batch_size))
+        self._decoding: list[GenerationRequest] = []  # _decoding[i].slot == i
+        self._free = list(range(max_batch_size))  # sorted; every free slot is >= len(_decoding)
+        self._outbox: list[tuple[GenerationRequest, TokenOut | Failed]] = []
         self._stop = False
         self._unpaused = threading.Event()
         self._unpaused.set()
@@ -209,9 +224,10 @@ class Engine:
                 raise EngineClosedError("the server is shutting down and accepts no new requests")
             if self._thread is not None and not self._thread.is_alive():
                 raise EngineError("the generation engine has stopped; see the server log")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"the server is overloaded: {len(self._waiting)} requests are already "
-                                     "waiting; retry later")
+            # free slots count: a burst on an idle server fills the slots first, then the queue
+            if len(self._waiting) + self.n_running >= self.max_batch_size + self.max_queue:
+                raise QueueFullError(f"the server is overloaded: {self.n_running} requests are running and "
+                                     f"{len(self._waiting)} waiting; retry later")
             self._waiting.append(req)
             self._cv.notify()
 
@@ -267,6 +283,7 @@ class Engine:
                     if not runnable or not (self._prefilling or self._decoding):
                         if not runnable and (self._prefilling or self._decoding):
                             self._check_active()
+                        self._flush()
                         self._cv.wait(timeout=0.02 if (self._waiting or not runnable) else 0.5)
                         continue
                 try:
@@ -275,6 +292,7 @@ class Engine:
                     log.exception("engine step failed")
                     for r in self._prefilling + self._decoding:
                         self._finish(r, Failed(500, "generation", f"generation failed: {type(e).__name__}: {e}"))
+                self._flush()
                 self.n_running = len(self._prefilling) + len(self._decoding)
             # stopping
             with self._cv:
@@ -283,22 +301,28 @@ class Engine:
             for r in leftover:
                 if r.slot is not None:
                     self._release(r)
-                r._deliver(Failed(503, "unavailable", "the server shut down before the request finished"))
+                self._send(r, Failed(503, "unavailable", "the server shut down before the request finished"))
                 self._count(r, 503, "shutdown")
+            self._flush()
             self.n_running = 0
 
     def _warmup(self) -> None:
-        """A short prefill and a decode step over every slot, so first requests do not pay one-time costs."""
+        """A short prefill, then a decode step and a sampled step over every slot, so first requests do not
+        pay one-time costs (allocator growth, oneDNN primitive creation)."""
         t0 = time.perf_counter()
+        n = self.max_batch_size
         try:
-            n = max(1, min(4, self.cache.max_len - 2))
-            idx = torch.zeros(1, n, dtype=torch.long, device=self.device)
-            self.model.forward_cached(idx, self.cache, [0])
-            if self.cache.max_len >= n + 2:
-                slots = list(range(self.max_batch_size))
-                tokens = torch.zeros(len(slots), dtype=torch.long, device=self.device)
-                logits = decode_step(self.model, self.cache, slots, tokens)
-                torch.log_softmax(logits.float(), dim=-1)
+            if self.cache.max_len >= 3:
+                for s in range(n):
+                    self.sampler.admit(s, SamplingParams(temperature=1.0, top_p=0.9), [0], seed=s)
+                logits = self.model.forward_cached(torch.zeros(1, 2, dtype=torch.long, device=self.device),
+                                                   self.cache, [0])
+                self.sampler.step(logits[None] if logits.dim() == 1 else logits, [0])
+                for s in range(1, n):
+                    self.cache.lengths[s] = self.cache.lengths[0]
+                self.cache.lengths_t[:] = self.cache.lengths[0]
+                logits = decode_step(self.model, self.cache, range(n), self.sampler.last[:n])
+                self.sampler.step(logits, range(n))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             log.info("warm-up done in %.0f ms", (time.perf_counter() - t0) * 1000)
@@ -306,8 +330,9 @@ class Engine:
             self.warmup_error = f"warm-up generation failed: {type(e).__name__}: {e}"
             log.error(self.warmup_error)
         finally:
-            for s in range(self.max_batch_size):
+            for s in range(n):
                 self.cache.reset(s)
+                self.sampler.release(s)
 
     def _expire_waiting(self) -> None:
         """Drop waiting requests that were cancelled or ran out of time (caller holds the lock)."""
@@ -320,7 +345,7 @@ class Engine:
                 self._count(r, 499, "cancelled")
             elif now > r.deadline:
                 self._count(r, 504, "timeout")
-                r._deliver(self._timeout_error(r))
+                self._send(r, self._timeout_error(r))
             else:
                 keep.append(r)
         if len(keep) != len(self._waiting):
@@ -331,6 +356,8 @@ class Engine:
             r = self._waiting.popleft()
             r.slot = self._free.pop(0)
             self.cache.reset(r.slot)
+            self.sampler.admit(r.slot, r.seq.params, r.prompt, seed=r.seq.seed)
+            self.sampler.set_top_n(r.slot, r.top_n)
             r.prefilled = 0
             self._prefilling.append(r)
             if self.metrics:
@@ -353,7 +380,7 @@ class Engine:
         while self._prefilling and budget > 0:
             r = self._prefilling[0]
             n = min(budget, len(r.prompt) - r.prefilled)
-            idx = torch.tensor(r.prompt[r.prefilled:r.prefilled + n], dtype=torch.long, device=self.device)
+            idx = self.sampler.prompt_slice(r.slot, r.prefilled, r.prefilled + n)  # already on the device
             logits = self.model.forward_cached(idx.view(1, -1), self.cache, [r.slot])
             self.prefill_chunks += 1
             r.prefilled += n
@@ -362,46 +389,65 @@ class Engine:
                 self._prefilling.pop(0)
                 if self.metrics:
                     self.metrics.prompt_tokens.inc(len(r.prompt))
-                self._sample_and_emit(logits, [r])
+                self._emit(self.sampler.step(logits, [r.slot]), [r])
                 if not r.closed:
-                    bisect.insort(self._decoding, r, key=lambda q: q.slot)  # sorted slots: a view, not a gather
-        # one decode step for every running sequence
+                    self._join_decoding(r)
+        # one decode step for every running sequence, slots 0..n-1
         if self._decoding:
             batch = list(self._decoding)
-            self.max_batch_seen = max(self.max_batch_seen, len(batch))
-            last = torch.tensor([r.seq.tokens[-1] for r in batch], dtype=torch.long, device=self.device)
-            logits = decode_step(self.model, self.cache, [r.slot for r in batch], last)
+            n = len(batch)
+            self.max_batch_seen = max(self.max_batch_seen, n)
+            logits = decode_step(self.model, self.cache, range(n), self.sampler.last[:n])
             self.decode_steps += 1
-            self._sample_and_emit(logits, batch)
+            self._emit(self.sampler.step(logits, range(n)), batch)
 
-    def _sample_and_emit(self, logits: torch.Tensor, reqs: list[GenerationRequest]) -> None:
-        tops: list | None = None
-        n_top = max(r.top_n for r in reqs)
-        if n_top:
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            vals, ids = lp.topk(min(n_top, lp.size(-1)), dim=-1)
-            tops = list(zip(ids.tolist(), vals.tolist()))
-        events = sample_into(logits, [r.seq for r in reqs])
+    def _emit(self, draws, reqs: list[GenerationRequest]) -> None:
+        """Hand each request its token; finished ones give their slot back (after the whole batch is read)."""
         now = time.monotonic()
-        for i, (r, ev) in enumerate(zip(reqs, events)):
-            top = None
-            if tops is not None and r.top_n:
-                ids, vals = tops[i]
-                top = [(t, self.tokenizer.decode([t]), v) for t, v in zip(ids[:r.top_n], vals[:r.top_n])]
+        metrics = self.metrics
+        done = []
+        for r, d in zip(reqs, draws):
+            ev = r.seq.append(d.token, d.logprob)
             n = len(r.seq.tokens)
-            if self.metrics:
-                self.metrics.generated_tokens.inc()
+            top = None
+            if d.top is not None and r.top_n:
+                top = [(t, self.tokenizer.decode([t]), v) for t, v in d.top[:r.top_n]]
+            if metrics:
                 if n == 1:
-                    self.metrics.ttft.observe(now - r.arrival)
+                    metrics.ttft.observe(now - r.arrival)
                 else:
-                    self.metrics.itl.observe(now - r.last_token_at)
+                    metrics.itl.observe(now - r.last_token_at)
             r.last_token_at = now
             out = TokenOut(n, ev.id, ev.text, ev.logprob, ev.special, top)
             if ev.finish_reason is None:
-                r._deliver(out)
+                self._send(r, out)
             else:
                 out.finished = Finished(ev.finish_reason, n, r.seq.seed, len(r.prompt), r.seq.text)
-                self._finish(r, out, count=(200, ev.finish_reason.value))
+                done.append((r, out, ev.finish_reason.value))
+        if metrics:
+            metrics.generated_tokens.inc(len(reqs))
+        for r, out, reason in done:
+            self._finish(r, out, count=(200, reason))
+
+    def _send(self, r: GenerationRequest, item: TokenOut | Failed) -> None:
+        if isinstance(item, Failed) or item.finished is not None:
+            r.closed = True
+        self._outbox.append((r, item))
+
+    def _flush(self) -> None:
+        """Deliver everything the step produced: one wake-up of each event loop, not one per token."""
+        if not self._outbox:
+            return
+        items, self._outbox = self._outbox, []
+        by_loop: dict = {}
+        for r, item in items:
+            by_loop.setdefault(r.loop, []).append((r, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                for r, _ in batch:
+                    r.cancelled = True
 
     def _finish(self, r: GenerationRequest, item: TokenOut | Failed, count: tuple[int, str] | None = None) -> None:
         # slot and metrics first: whoever sees the result also sees the slot free and the request counted
@@ -410,17 +456,46 @@ class Engine:
             count = (item.status, "error")
         if count:
             self._count(r, *count)
-        r._deliver(item)
+        self._send(r, item)
+
+    def _join_decoding(self, r: GenerationRequest) -> None:
+        """A request whose prefill completed takes slot n (n = requests decoding), moving there if needed."""
+        target, src = len(self._decoding), r.slot
+        if src != target:
+            holder = next((q for q in self._prefilling if q.slot == target), None)
+            if holder is None:  # the target is free: move
+                self._move([src], [target])
+                self._free.remove(target)
+                bisect.insort(self._free, src)
+            else:  # another prompt is being prefilled there: swap the two
+                self._move([src, target], [target, src])
+                holder.slot = src
+            r.slot = target
+        self._decoding.append(r)
+
+    def _move(self, src: list[int], dst: list[int]) -> None:
+        self.cache.move(src, dst)
+        self.sampler.move(src, dst)
 
     def _release(self, r: GenerationRequest) -> None:
+        if r.slot is None:
+            return
+        freed = r.slot
         if r in self._prefilling:
             self._prefilling.remove(r)
-        if r in self._decoding:
-            self._decoding.remove(r)
-        if r.slot is not None:
-            self.cache.reset(r.slot)
-            bisect.insort(self._free, r.slot)
-            r.slot = None
+        elif self._decoding and self._decoding[freed] is r:
+            last = len(self._decoding) - 1
+            if freed != last:  # the last decoding request takes the freed slot: slots stay 0..n-1
+                moved = self._decoding[last]
+                self._move([last], [freed])
+                moved.slot = freed
+                self._decoding[freed] = moved
+                freed = last
+            self._decoding.pop()
+        self.cache.reset(freed)
+        self.sampler.release(freed)
+        bisect.insort(self._free, freed)
+        r.slot = None
         self.n_running = len(self._prefilling) + len(self._decoding)
 
     def _count(self, r: GenerationRequest, status: int, finish_reason: str) -> None:

@@ -237,8 +237,6 @@ def plan_tgi(data: dict, tokenizer: Tokenizer, limits: Limits, stream: bool | No
         raise _unsupported("parameters.best_of", "only best_of=1 is supported")
     if p.watermark:
         raise _unsupported("parameters.watermark", "watermarking is not supported")
-    if p.frequency_penalty:
-        raise _unsupported("parameters.frequency_penalty", "not supported (use repetition_penalty)")
     if p.grammar is not None:
         raise _unsupported("parameters.grammar", "grammar-constrained generation is not supported")
     if p.adapter_id is not None:
@@ -262,6 +260,7 @@ def plan_tgi(data: dict, tokenizer: Tokenizer, limits: Limits, stream: bool | No
         top_k=p.top_k or 0,
         top_p=p.top_p if p.top_p is not None else 1.0,
         repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
+        frequency_penalty=p.frequency_penalty or 0.0,
         seed=p.seed, stop=stop)
     return Plan(ids, req.inputs, params, sampling, top_n,
                 stream=bool(req.stream) if stream is None else stream,
@@ -274,10 +273,6 @@ def plan_completion(data: dict, tokenizer: Tokenizer, limits: Limits) -> Plan:
         raise _unsupported("n", "only n=1 is supported")
     if req.best_of is not None and req.best_of > 1:
         raise _unsupported("best_of", "only best_of=1 is supported")
-    if req.presence_penalty:
-        raise _unsupported("presence_penalty", "not supported (only 0); use repetition_penalty")
-    if req.frequency_penalty:
-        raise _unsupported("frequency_penalty", "not supported (only 0); use repetition_penalty")
     if req.logit_bias:
         raise _unsupported("logit_bias", "not supported")
     if req.suffix:
@@ -317,6 +312,7 @@ def plan_completion(data: dict, tokenizer: Tokenizer, limits: Limits) -> Plan:
         max_new_tokens=max_new, temperature=temperature, top_k=top_k,
         top_p=req.top_p if req.top_p is not None else 1.0,
         repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         seed=req.seed, stop=stop)
     return Plan(ids, text, params, sampling=temperature > 0, top_n=top_n, stream=bool(req.stream),
                 details=req.logprobs is not None, return_full_text=bool(req.echo),

@@ -299,7 +299,8 @@ BAD_OPENAI = [
     ({"prompt": "a", "logprobs": 6}, 422, "logprobs"), ({"prompt": "a", "logprobs": -1}, 422, "logprobs"),
     ({"prompt": "a", "echo": True, "logprobs": 1}, 422, "echo"), ({"prompt": "a", "stop": 5}, 422, "stop"),
     ({"prompt": "a", "stop": [1]}, 422, "stop.0"), ({"prompt": "a", "stop": ["a"] * 17}, 422, "stop"),
-    ({"prompt": "a", "presence_penalty": 1}, 422, "presence_penalty"),
+    ({"prompt": "a", "presence_penalty": 2.5}, 422, "presence_penalty"),
+    ({"prompt": "a", "presence_penalty": 1, "frequency_penalty": -0.5, "max_tokens": 2}, 200, None),
     ({"prompt": "a", "frequency_penalty": 5}, 422, "frequency_penalty"),
     ({"prompt": "a", "logit_bias": {"1": 5}}, 422, "logit_bias"), ({"prompt": "a", "suffix": "x"}, 422, "suffix"),
     ({"prompt": "a", "stream": "true"}, 422, "stream"), ({"prompt": "a", "stream_options": 5}, 422, "stream_options"),
@@ -369,23 +370,26 @@ def test_cors(tiny_ckpt, client):  # noqa: F811
 
 
 # ------------------------------------------------------------------------------------------- load, time
-def test_full_queue_gives_429(tiny_ckpt):  # noqa: F811
-    with app_client(tiny_ckpt, max_batch_size=1, max_queue=1) as c:
+def test_admission_takes_slots_plus_queue_then_gives_429(tiny_ckpt):  # noqa: F811
+    # a burst on an idle server: slots (2) + queue (2) requests are all served, one more gets 429
+    with app_client(tiny_ckpt, max_batch_size=2, max_queue=2) as c:
         engine = engine_of(c)
-        engine.pause()
+        engine.pause()  # the whole burst arrives before the worker admits anything
         results = {}
-        t = threading.Thread(target=lambda: results.setdefault(
-            "first", c.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 3}})))
-        t.start()
+        threads = [threading.Thread(target=lambda i=i: results.setdefault(
+            i, c.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 3}}))) for i in range(4)]
+        for t in threads:
+            t.start()
         end = time.monotonic() + 5
-        while engine.n_queued < 1 and time.monotonic() < end:
+        while engine.n_queued < 4 and time.monotonic() < end:
             time.sleep(0.005)
         r = c.post("/generate", json={"inputs": "b", "parameters": {"max_new_tokens": 3}})
         assert_error(r, 429, error_type="overloaded")
         assert r.headers["retry-after"] == "1"
         engine.resume()
-        t.join(10)
-        assert results["first"].status_code == 200
+        for t in threads:
+            t.join(10)
+        assert [results[i].status_code for i in range(4)] == [200] * 4
         assert 'gpt_requests_total{finish_reason="rejected",status="429"} 1.0' in c.get("/metrics").text
 
 

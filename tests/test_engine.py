@@ -138,13 +138,14 @@ def test_long_prompt_prefill_is_chunked_and_interleaved(ckpt, make_engine):
         b = request(ckpt, long_prompt, max_new_tokens=3, temperature=0)
         assert len(b.prompt) + 3 <= 128
         seen = {}
-        deliver = b._deliver
+        send = engine._send
 
-        def spy(item):
-            seen.setdefault("a_tokens_at_b_first", len(a.seq.tokens))
-            deliver(item)
+        def spy(r, item):  # runs on the engine thread, when b's first token is produced
+            if r is b:
+                seen.setdefault("a_tokens_at_b_first", len(a.seq.tokens))
+            send(r, item)
 
-        b._deliver = spy
+        engine._send = spy
         chunks_before = engine.prefill_chunks
         a_before = len(a.seq.tokens)
         engine.submit(b)
@@ -187,17 +188,17 @@ def test_cancel_frees_the_slot_within_a_step(ckpt, make_engine):
     assert len(ids) == 5 and reason.value == "length"
 
 
-def test_full_queue_refuses_at_once(ckpt, make_engine):
-    engine = make_engine(max_batch_size=1, max_queue=2)
+def test_admission_counts_free_slots_and_refuses_past_slots_plus_queue(ckpt, make_engine):
+    engine = make_engine(max_batch_size=2, max_queue=2)
 
     async def main():
-        engine.pause()
-        reqs = [request(ckpt, "a", max_new_tokens=3) for _ in range(2)]
+        engine.pause()  # a burst that arrives before the worker admits anything
+        reqs = [request(ckpt, "a", max_new_tokens=3) for _ in range(4)]  # slots + queue
         for r in reqs:
             engine.submit(r)
         with pytest.raises(QueueFullError):
             engine.submit(request(ckpt, "b", max_new_tokens=3))
-        assert engine.n_queued == 2
+        assert engine.n_queued == 4
         engine.resume()
         return await asyncio.gather(*(drain(r) for r in reqs))
 

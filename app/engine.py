@@ -137,6 +137,14 @@ class GenerationRequest:
         stuck in one very long step.
         """
         while True:
+            if not self.queue.empty():  # the common case under load: no timer, no task per token
+                item = self.queue.get_nowait()
+                if item is DISCONNECTED:
+                    return
+                yield item
+                if isinstance(item, Failed) or item.finished is not None:
+                    return
+                continue
             remaining = self.deadline + grace_s - time.monotonic()
             try:
                 item = await asyncio.wait_for(self.queue.get(), timeout=max(remaining, 0.01))
@@ -176,6 +184,7 @@ class Engine:
         self.max_batch_size, self.max_queue, self.prefill_chunk = max_batch_size, max_queue, prefill_chunk
         self.cache = KVCache(model.config, max_batch_size, self.block_size, dtype=self.dtype, device=self.device)
         self.sampler = Sampler(max_batch_size, tokenizer.vocab_size, self.block_size, self.device)
+        model.pad_vocab(self.sampler.padded)  # the sampler reads the logits in place, as whole blocks
         self.metrics = metrics
         self._warmup_enabled = warmup
 
@@ -375,23 +384,38 @@ class Engine:
 
     def _step(self) -> None:
         self._check_active()
-        # prefill: a token budget per iteration, so decoding streams stall for at most one chunk
+        # prefill: a token budget per iteration, so decoding streams stall for at most one chunk. Prompts
+        # of equal length that fit the budget together go in one forward pass (a burst of similar
+        # requests reads the weights once, not once per prompt)
         budget = self.prefill_chunk
         while self._prefilling and budget > 0:
             r = self._prefilling[0]
             n = min(budget, len(r.prompt) - r.prefilled)
-            idx = self.sampler.prompt_slice(r.slot, r.prefilled, r.prefilled + n)  # already on the device
-            logits = self.model.forward_cached(idx.view(1, -1), self.cache, [r.slot])
+            group = [r]
+            if r.prefilled == 0 and n == len(r.prompt):
+                for q in self._prefilling[1:]:
+                    if q.prefilled or len(q.prompt) != n or (len(group) + 1) * n > budget:
+                        break
+                    group.append(q)
+            slots = [q.slot for q in group]
+            if len(group) == 1:
+                idx = self.sampler.prompt_slice(r.slot, r.prefilled, r.prefilled + n).view(1, -1)
+            else:  # the prompts are on the device already (written at admission)
+                idx = self.sampler.history[torch.tensor(slots, device=self.device), :n]
+            logits = self.model.forward_cached(idx, self.cache, slots)
             self.prefill_chunks += 1
-            r.prefilled += n
-            budget -= n
-            if r.prefilled == len(r.prompt):
-                self._prefilling.pop(0)
-                if self.metrics:
-                    self.metrics.prompt_tokens.inc(len(r.prompt))
-                self._emit(self.sampler.step(logits, [r.slot]), [r])
-                if not r.closed:
-                    self._join_decoding(r)
+            budget -= n * len(group)
+            for q in group:
+                q.prefilled += n
+            if r.prefilled < len(r.prompt):
+                continue
+            del self._prefilling[:len(group)]
+            if self.metrics:
+                self.metrics.prompt_tokens.inc(n * len(group))
+            self._emit(self.sampler.step(logits, slots), group)
+            joining = [q for q in group if not q.closed]
+            for i, q in enumerate(joining):
+                self._join_decoding(q, joining[i + 1:])
         # one decode step for every running sequence, slots 0..n-1
         if self._decoding:
             batch = list(self._decoding)
@@ -458,11 +482,13 @@ class Engine:
             self._count(r, *count)
         self._send(r, item)
 
-    def _join_decoding(self, r: GenerationRequest) -> None:
-        """A request whose prefill completed takes slot n (n = requests decoding), moving there if needed."""
+    def _join_decoding(self, r: GenerationRequest, waiting: list[GenerationRequest] = ()) -> None:
+        """A request whose prefill completed takes slot n (n = requests decoding), moving there if needed.
+
+        `waiting`: other requests of the same prefill that join next (they hold slots too)."""
         target, src = len(self._decoding), r.slot
         if src != target:
-            holder = next((q for q in self._prefilling if q.slot == target), None)
+            holder = next((q for q in [*self._prefilling, *waiting] if q.slot == target), None)
             if holder is None:  # the target is free: move
                 self._move([src], [target])
                 self._free.remove(target)
@@ -483,7 +509,7 @@ class Engine:
         freed = r.slot
         if r in self._prefilling:
             self._prefilling.remove(r)
-        elif self._decoding and self._decoding[freed] is r:
+        elif freed < len(self._decoding) and self._decoding[freed] is r:
             last = len(self._decoding) - 1
             if freed != last:  # the last decoding request takes the freed slot: slots stay 0..n-1
                 moved = self._decoding[last]

@@ -12,6 +12,7 @@ keeps the Hugging Face import a transpose-and-copy.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -166,6 +167,25 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+    @torch.no_grad()
+    def pad_vocab(self, size: int) -> None:
+        """Grow the tied embedding / output head to `size` rows of zeros (an inference-time layout change).
+
+        The sampler then reads the logits as whole blocks without copying them (nanoGPT pads GPT-2's
+        50257 to 50304 for matmul speed the same way); the extra ids are never text and never sampled.
+        For serving only: training on a padded model would give the padding rows probability mass.
+        """
+        wte = self.transformer.wte
+        if size <= wte.num_embeddings:
+            return
+        weight = torch.zeros(size, wte.embedding_dim, dtype=wte.weight.dtype, device=wte.weight.device)
+        weight[: wte.num_embeddings] = wte.weight
+        wte.weight = nn.Parameter(weight, requires_grad=wte.weight.requires_grad)
+        wte.num_embeddings = size
+        self.lm_head.weight = wte.weight
+        self.lm_head.out_features = size
+        self.config = dataclasses.replace(self.config, vocab_size=size)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters counted once (the head is tied); without position embeddings by default, as GPT-2 reports."""

@@ -97,12 +97,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def row_keys(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
-    """(B,) int64 keys of the random stream `stream` at generated position `position` of requests `seed`."""
-    h = _mix32(seed & _M32)
-    h = _mix32(h ^ ((seed >> 32) & _M32))
-    h = _mix32(h ^ (position & _M32))
-    return _mix32(h ^ (stream & _M32))
+def seed_keys(seed: torch.Tensor) -> torch.Tensor:
+    """A request seed (int64, < 2^63) folded into 32 well-mixed bits; computed once per request."""
+    return _mix32(_mix32(seed & _M32) ^ ((seed >> 32) & _M32))
+
+
+def row_keys(seed_key: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """(B,) keys of the random stream `stream` at generated position `position` of requests with these seed keys."""
+    return _mix32(_mix32(seed_key ^ (position & _M32)) ^ (stream & _M32))
 
 
 def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -181,14 +183,14 @@ class Sampler:
         self.repetition = torch.ones(n, **f32)
         self.presence = torch.zeros(n, **f32)
         self.frequency = torch.zeros(n, **f32)
-        self.seed = torch.zeros(n, **i64)
+        self.seed_key = torch.zeros(n, **i64)  # seed_keys(seed)
         self.history = torch.full((n, max_len), vocab_size, **i64)  # prompt + output ids; V = empty
         self.length = torch.zeros(n, **i64)  # entries used in history
         self.prompt_len = torch.zeros(n, **i64)
         self.first = torch.zeros(n, max_len, dtype=torch.bool, device=dev)  # output token new at that position
         self.seen = torch.zeros(n, self.padded, dtype=torch.bool, device=dev)  # tokens output so far
         self.last = torch.zeros(n, **i64)  # the newest token of each slot: the next decode step's input
-        self._state = ["inv_temp", "top_k", "top_p", "repetition", "presence", "frequency", "seed", "history",
+        self._state = ["inv_temp", "top_k", "top_p", "repetition", "presence", "frequency", "seed_key", "history",
                        "length", "prompt_len", "first", "seen", "last"]
         self._kinds: list[_Kind | None] = [None] * n
         # workspaces (rows are batch rows, not slots); padding columns stay -inf
@@ -219,7 +221,7 @@ class Sampler:
         self.repetition[slot] = params.repetition_penalty
         self.presence[slot] = params.presence_penalty
         self.frequency[slot] = params.frequency_penalty
-        self.seed[slot] = seed
+        self.seed_key[slot] = seed_keys(torch.tensor([seed]))[0]
         self.history[slot, :n] = torch.as_tensor(prompt, dtype=torch.long).to(self.device)
         self.history[slot, n:] = self.vocab_size
         self.length[slot] = n
@@ -329,64 +331,81 @@ class Sampler:
             top_n=max(k.top_n for k in kinds))
 
     def _sample(self, logits: torch.Tensor, plan: _Plan):
-        B, V, BS, NB = plan.n, self.vocab_size, self.block, self.n_blocks
+        B, V, P, NB, BS = plan.n, self.vocab_size, self.padded, self.n_blocks, self.block
         if logits.size(0) != B or logits.size(1) < V:
             raise ValueError(f"logits {tuple(logits.shape)} for {B} slots and a vocabulary of {V}")
         rows = plan.rows
         raw = logits[:, :V].float()  # a padded model vocabulary is never sampled
-        z = self._z[:B]
-        zv = z[:, :V]
-        inv_t = self.inv_temp[rows]
-        if plan.repetition or plan.presence_frequency:
-            zv.copy_(raw)
-            self._penalize(z, plan)
+        inv_t = self.inv_temp[rows][:, None]
+        penalized = plan.repetition or plan.presence_frequency
+        if penalized:
+            # z = penalized logits / temperature, in the workspace
+            src = self._z[:B]
+            src[:, :V].copy_(raw)
+            self._penalize(src, plan)
             if not plan.z_is_raw:
-                zv.mul_(inv_t[:, None])
-        elif plan.z_is_raw:
-            zv.copy_(raw)
+                src[:, :V].mul_(inv_t)
+            scale = None  # src already holds z
+        elif logits.size(1) >= P and logits.dtype == torch.float32 and logits.stride(1) == 1:
+            # the model's vocabulary is padded to whole blocks (GPT.pad_vocab): its logits serve as they are,
+            # no copy; the padding columns become -inf in place
+            src = logits[:, :P]
+            if P > V:
+                src[:, V:] = float("-inf")
+            scale = None if plan.z_is_raw else inv_t  # z = src · scale, never materialized
         else:
-            torch.mul(raw, inv_t[:, None], out=zv)
-        zb = z.view(B, NB, BS)
-        bmax = zb.amax(-1)  # (B, NB)
+            src = self._z[:B]
+            src[:, :V].copy_(raw)
+            scale = None if plan.z_is_raw else inv_t
+        srcb = src.unflatten(1, (NB, BS))
+        bmax = srcb.amax(-1)  # (B, NB)
         m = bmax.amax(-1, keepdim=True)  # (B, 1)
-        e = torch.sub(z, m, out=self._e[:B]).exp_()  # exp(z - max); 0 on padding and filtered tokens
-        bsum = e.view(B, NB, BS).sum(-1)  # (B, NB)
-        total = bsum.sum(-1)  # (B,)
-        # log-normalizer of the raw distribution, for the reported log-probabilities
-        if plan.z_is_raw:
-            lse = m[:, 0] + total.log()
-        else:
+        d = torch.sub(src, m, out=self._e[:B])
+        if penalized:
+            e = d.exp_()  # exp(z - max z)
             m_raw = raw.amax(-1, keepdim=True)
             lse = m_raw[:, 0] + torch.sub(raw, m_raw, out=self._tmp[:B, :V]).exp_().sum(-1).log()
+        elif scale is None:  # temperature 1 everywhere: z = raw
+            e = d.exp_()
+            lse = None
+        else:  # raw normalizer from exp(raw − max), then exp((raw − max) / T) for the draw
+            lse = m[:, 0] + torch.exp(d, out=self._tmp[:B]).sum(-1).log()
+            e = d.mul_(scale).exp_()
+        bsum = e.unflatten(1, (NB, BS)).sum(-1)  # (B, NB) block masses (unnormalized)
+        total = bsum.sum(-1)  # (B,)
+        if lse is None:
+            lse = m[:, 0] + total.log()
 
-        seed = self.seed[rows]
+        seed_key = self.seed_key[rows]
         position = self.length[rows] - self.prompt_len[rows]  # index of the token being generated
         token = None
         if plan.all_greedy or plan.greedy is not None:
-            token = self._block_argmax(zb, bmax.argmax(-1))
+            token = self._block_argmax(srcb, bmax.argmax(-1))
         if plan.any_sampled:
-            key_b = row_keys(seed, position, STREAM_BLOCK)
-            key_t = row_keys(seed, position, STREAM_TOKEN)
+            key_b = row_keys(seed_key, position, STREAM_BLOCK)
+            key_t = row_keys(seed_key, position, STREAM_TOKEN)
             block = (bsum.log() + gumbel(key_b, self._block_ids)).argmax(-1)
-            sampled = self._block_draw(zb, block, key_t)
+            sampled = self._block_draw(srcb, block, key_t, scale)
             token = sampled if token is None else torch.where(plan.greedy, token, sampled)
         if plan.topk_rows is not None:
-            tk = self._top_k_draw(z, plan, seed, position)
+            tk = self._top_k_draw(src, scale, plan, seed_key, position)
             if plan.topk_all:
                 token = tk
             else:
-                token = token.clone() if token is not None else torch.zeros(B, dtype=torch.long, device=z.device)
+                token = token.clone() if token is not None else torch.zeros(B, dtype=torch.long, device=src.device)
                 token[plan.topk_rows] = tk
         logprob = raw.gather(1, token[:, None])[:, 0] - lse
 
         accepted = None
         if plan.top_p:
-            # membership in the nucleus: mass of strictly more likely tokens < top_p · total, one pass.
-            # Σ_j e_j [e_j > e_s] = Σ relu(e_j − e_s) + e_s · #{e_j > e_s}: no boolean tensors, no where.
-            e_s = e.gather(1, token[:, None])
-            r = torch.sub(e, e_s, out=self._tmp[:B]).clamp_(min=0)
-            above = r.sum(-1) + e_s[:, 0] * r.sign_().sum(-1)
-            accepted = (above < self.top_p[rows] * total) | (self.top_p[rows] >= 1.0)
+            # membership in the nucleus: mass of strictly more likely tokens < top_p · total, in one
+            # pass over e / e_s: Σ_j e_j [e_j > e_s] = e_s · Σ_j threshold(e_j / e_s, 1, 0). Boolean
+            # tensors and torch.where cost several times more on a CPU.
+            e_s = e.gather(1, token[:, None]).clamp_(min=1e-30)
+            r = torch.nn.functional.threshold_(torch.div(e, e_s, out=self._tmp[:B]), 1.0, 0.0)
+            above = e_s[:, 0] * r.sum(-1)
+            top_p = self.top_p[rows]
+            accepted = (above < top_p * total) | (top_p >= 1.0)
             if plan.greedy is not None:
                 accepted |= plan.greedy
             if plan.topk_rows is not None:
@@ -394,12 +413,12 @@ class Sampler:
 
         top_ids = top_lp = None
         if plan.top_n:
-            if plan.z_is_raw:
-                rb, rbmax = zb, bmax
+            if not penalized:  # src holds the raw logits
+                rb, rbmax = srcb, bmax
             else:
                 self._tmp[:B, :V] = raw
                 self._tmp[:B, V:] = float("-inf")
-                rb = self._tmp[:B].view(B, NB, BS)
+                rb = self._tmp[:B].unflatten(1, (NB, BS))
                 rbmax = rb.amax(-1)
             n = min(plan.top_n, V)
             blocks = rbmax.topk(min(n, NB), -1).indices  # the n best tokens lie in the n best blocks
@@ -407,7 +426,7 @@ class Sampler:
             cand_ids = (blocks[:, :, None] * BS + self._in_block).view(B, -1)
             vals, pos = cand.topk(n, -1)
             top_ids, top_lp = cand_ids.gather(1, pos), vals - lse[:, None]
-        ctx = (raw, e, total, lse, seed, position)
+        ctx = (raw, src, scale, e, total, lse, seed_key, position)
         return token, logprob, accepted, top_ids, top_lp, ctx
 
     def _block_argmax(self, zb: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
@@ -415,17 +434,27 @@ class Sampler:
         within = zb.gather(1, block[:, None, None].expand(-1, 1, self.block))[:, 0]  # (B, BS)
         return block * self.block + within.argmax(-1)
 
-    def _block_draw(self, zb: torch.Tensor, block: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-        """The token of the chosen block: argmax of z + Gumbel noise keyed by token id."""
+    def _block_draw(self, zb: torch.Tensor, block: torch.Tensor, key: torch.Tensor,
+                    scale: torch.Tensor | None) -> torch.Tensor:
+        """The token of the chosen block: argmax of z + Gumbel noise keyed by token id (z = zb · scale)."""
         within = zb.gather(1, block[:, None, None].expand(-1, 1, self.block))[:, 0]  # (B, BS)
+        if scale is not None:
+            within = within * scale
         ids = block[:, None] * self.block + self._in_block  # (B, BS)
         return block * self.block + (within + gumbel(key, ids)).argmax(-1)
 
-    def _top_k_draw(self, z: torch.Tensor, plan: _Plan, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    def _top_k_draw(self, src: torch.Tensor, scale: torch.Tensor | None, plan: _Plan, seed_key: torch.Tensor,
+                    position: torch.Tensor) -> torch.Tensor:
         """Rows with top-k: their k best (one topk(max k) for the batch), top-p inside them, Gumbel-max."""
-        sel = plan.topk_rows
-        zk = z if plan.topk_all else z[sel]
-        vals, ids = zk.topk(plan.k_max, -1)  # sorted, best first
+        sel, K, BS = plan.topk_rows, plan.k_max, self.block
+        zb = (src if plan.topk_all else src[sel]).unflatten(1, (self.n_blocks, BS))
+        # the k best tokens lie in the k blocks with the best maxima: topk over those k · BS candidates
+        blocks = zb.amax(-1).topk(min(K, self.n_blocks), -1).indices  # (Bk, K')
+        cand = zb.gather(1, blocks[:, :, None].expand(-1, -1, BS)).flatten(1)
+        vals, pos = cand.topk(K, -1)  # sorted, best first (the order of z = src · scale too)
+        ids = (blocks[:, :, None] * BS + self._in_block).flatten(1).gather(1, pos)
+        if scale is not None:
+            vals = vals * (scale if plan.topk_all else scale[sel])
         k = self.top_k[plan.rows][sel]
         vals = vals.masked_fill(self._cols_k(plan.k_max)[None, :] >= k[:, None], float("-inf"))
         if plan.top_p_in_k:
@@ -434,7 +463,7 @@ class Sampler:
             before = torch.cumsum(probs, -1) - probs
             # a token stays while the mass of the better ones is < p; the best one always stays
             vals = vals.masked_fill((before >= p[:, None]) & (p[:, None] < 1.0), float("-inf"))
-        key = row_keys(seed[sel], position[sel], STREAM_TOKEN)
+        key = row_keys(seed_key[sel], position[sel], STREAM_TOKEN)
         return ids.gather(1, (vals + gumbel(key, ids)).argmax(-1, keepdim=True))[:, 0]
 
     def _cols_k(self, k: int) -> torch.Tensor:
@@ -443,46 +472,51 @@ class Sampler:
     def _redraw_top_p(self, rejected: list[int], token: torch.Tensor, plan: _Plan, ctx) -> list[tuple[int, float]]:
         """Rows whose draw fell outside the nucleus: draw again above the pivot until accepted (exact).
 
-        Runs on the rejected rows only; each round raises the pivot to the rejected token's probability.
+        Runs on the rejected rows only. Each round draws from the tokens strictly more likely than the
+        last rejected one (hierarchically, with the round's own noise streams) and checks membership.
+        Within a block, log e = z + a per-row constant, so e alone carries the distribution.
         """
-        raw, e, total, lse, seed, position = ctx
+        raw, _src, _scale, e, total, lse, seed_key, position = ctx
         idx = torch.tensor(rejected, device=self.device)
-        z = self._z[idx]  # (R, padded) processed logits
-        e = e[idx]
-        total, lse, seed, position = total[idx], lse[idx], seed[idx], position[idx]
+        e = e[idx]  # (R, padded): exp of processed logits, shifted; 0 where impossible
+        total, seed_key, position = total[idx], seed_key[idx], position[idx]
         p = self.top_p[plan.rows][idx]
         R, BS, NB = len(rejected), self.block, self.n_blocks
         pivot = e.gather(1, token[idx][:, None])  # (R, 1)
-        result: list[tuple[int, float] | None] = [None] * R
+        result: list[int | None] = [None] * R
         live = list(range(R))
         rnd = 0
+        threshold = torch.nn.functional.threshold_
         while live:
             rnd += 1
             li = torch.tensor(live, device=self.device)
-            zl, el, pl = z[li], e[li], pivot[li]
-            keep = el > pl
-            zm = zl.masked_fill(~keep, float("-inf"))
-            bsum = el.masked_fill(~keep, 0.0).view(-1, NB, BS).sum(-1)
-            key_b = row_keys(seed[li], position[li], STREAM_BLOCK + 2 * rnd)
-            key_t = row_keys(seed[li], position[li], STREAM_TOKEN + 2 * rnd)
-            block = (bsum.log() + gumbel(key_b, self._block_ids)).argmax(-1)
-            tok = self._block_draw(zm.view(-1, NB, BS), block, key_t)
+            el = e if len(live) == R else e[li]
+            # the tokens strictly more likely than the pivot: threshold on e / pivot (no masked_fill / where,
+            # several times slower on a CPU), scaled back
+            kept = threshold(el / pivot[li], 1.0, 0.0)
+            key_b = row_keys(seed_key[li], position[li], STREAM_BLOCK + 2 * rnd)
+            key_t = row_keys(seed_key[li], position[li], STREAM_TOKEN + 2 * rnd)
+            kb = kept.unflatten(1, (NB, BS))
+            block = (kb.sum(-1).log() + gumbel(key_b, self._block_ids)).argmax(-1)
+            within = kb.gather(1, block[:, None, None].expand(-1, 1, BS))[:, 0].log()  # log e = z + const
+            ids = block[:, None] * BS + self._in_block
+            tok = block * BS + (within + gumbel(key_t, ids)).argmax(-1)
             e_s = el.gather(1, tok[:, None])
-            above = el.masked_fill(el <= e_s, 0.0).sum(-1)
+            above = e_s[:, 0] * threshold(el / e_s, 1.0, 0.0).sum(-1)
             ok = (above < p[li] * total[li]).tolist()
             self.read_backs += 1
             toks = tok.tolist()
             still = []
             for j, (i, a) in enumerate(zip(live, ok)):
                 if a:
-                    result[i] = (toks[j], 0.0)
+                    result[i] = toks[j]
                 else:
                     pivot[i] = e_s[j]
                     still.append(i)
             live = still
-        ids = torch.tensor([t for t, _ in result], device=self.device)
-        lps = (raw[idx].gather(1, ids[:, None])[:, 0] - lse).tolist()
-        return [(t, lp) for (t, _), lp in zip(result, lps)]
+        ids = torch.tensor(result, device=self.device)
+        lps = (raw[idx, ids] - lse[idx]).tolist()
+        return list(zip(result, lps))
 
     def _penalize(self, z: torch.Tensor, plan: _Plan) -> None:
         """Penalties on the raw logits in z (B, padded), sparse: over each row's history, not the vocabulary."""
@@ -516,8 +550,7 @@ def uniform_reference(seed: int, position: int, stream: int, ids: list[int]) -> 
         x = (((x >> 16) ^ x) * _MUL) & _M32
         return (x >> 16) ^ x
 
-    h = mix(seed & _M32)
-    h = mix(h ^ ((seed >> 32) & _M32))
+    h = mix(mix(seed & _M32) ^ ((seed >> 32) & _M32))
     h = mix(h ^ (position & _M32))
     h = mix(h ^ (stream & _M32))
     return [(mix(mix(h ^ i) ^ (h >> 7)) + 0.5) * 2.0**-32 for i in ids]

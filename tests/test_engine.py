@@ -109,6 +109,63 @@ def test_batched_equals_solo_and_really_batches(ckpt, make_engine):
         assert ids == ref.tokens and text == ref.text
 
 
+def test_a_burst_prefills_together_and_finishing_requests_keep_slots_compact(ckpt, make_engine):
+    # equal-length prompts that arrive together share one prefill pass; they finish at different
+    # steps (max_new_tokens 1..9), so finished slots are handed to the last decoding request (moves),
+    # and a prefill that completes behind another one swaps slots: tokens stay each request's solo ones
+    engine = make_engine(prefill_chunk=64)
+    lengths = [1, 5, 2, 9, 3, 7, 1, 4]
+    kinds = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.8, top_p=0.9),
+             dict(temperature=1.0, top_k=5), dict(temperature=0.7, repetition_penalty=1.3)]
+
+    def make():
+        return [request(ckpt, "the king", max_new_tokens=n, seed=i, **kinds[i % len(kinds)])
+                for i, n in enumerate(lengths)]
+
+    async def main():
+        solo = [summary(await run(engine, r)) for r in make()]
+        reqs = make()
+        engine.pause()
+        for r in reqs:
+            engine.submit(r)
+        chunks = engine.prefill_chunks
+        engine.resume()
+        burst = [summary(items) for items in await asyncio.gather(*(drain(r) for r in reqs))]
+        return solo, burst, engine.prefill_chunks - chunks
+
+    solo, burst, passes = asyncio.run(main())
+    assert burst == solo
+    assert passes < len(lengths)  # grouped: fewer forward passes than prompts
+    assert engine.n_running == 0 and sorted(engine._free) == list(range(engine.max_batch_size))
+
+
+def test_waves_of_mixed_requests_through_few_slots_give_solo_results(ckpt, make_engine):
+    # 16 requests of different prompt lengths and output lengths in waves through 4 slots and a small
+    # prefill budget: slots are reused, chunked prefills overlap decoding, finished requests hand their
+    # slots over (moves) and completed prefills swap with ones still prefilling
+    engine = make_engine(max_batch_size=4, prefill_chunk=8)
+    prompts = ["a", "the king is dead long live the king", "to be", "once upon a time there was"]
+
+    def make():
+        return [request(ckpt, prompts[i % 4] * (1 + i % 3), max_new_tokens=3 + (i * 7) % 11, seed=i,
+                        temperature=0 if i % 2 else 0.9, top_p=0.9 if i % 3 == 0 else 1.0) for i in range(16)]
+
+    async def main():
+        solo = [summary(await run(engine, r)) for r in make()]
+        reqs = make()
+        tasks = []
+        for wave in range(4):
+            for r in reqs[wave * 4:(wave + 1) * 4]:
+                engine.submit(r)
+                tasks.append(asyncio.create_task(drain(r)))
+            await asyncio.sleep(0.01)
+        return solo, [summary(items) for items in await asyncio.gather(*tasks)]
+
+    solo, mixed = asyncio.run(main())
+    assert mixed == solo
+    assert engine.n_running == 0 and sorted(engine._free) == list(range(4))
+
+
 def test_logprobs_match_between_solo_and_batch(ckpt, make_engine):
     engine = make_engine()
 

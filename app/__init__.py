@@ -7,4 +7,4 @@
 - `python -m app` the CLI entry point
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

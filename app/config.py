@@ -38,7 +38,11 @@ class Settings(BaseSettings):
         "auto", description="auto: bf16 on a GPU that supports it, else fp32")
     api_key: SecretStr | None = Field(None, description="when set, generation routes need "
                                                         "'Authorization: Bearer <key>'")
-    max_batch_size: int = Field(8, ge=1, le=1024, description="KV-cache slots: sequences decoded together")
+    max_batch_size: int | None = Field(
+        None, ge=1, le=1024, description="KV-cache slots: sequences decoded together (default: on a GPU, as many "
+                                         "as kv_cache_memory_fraction of its free memory holds, 8..256; on a CPU 32)")
+    kv_cache_memory_fraction: float = Field(0.5, gt=0, le=0.95, description="share of the GPU memory free after "
+                                            "loading that the default max_batch_size fills with KV cache")
     max_queue: int = Field(128, ge=1, le=100_000, description="requests waiting for a slot; more get 429")
     max_prompt_tokens: int | None = Field(None, ge=1, description="default: the context length - 1")
     max_new_tokens: int | None = Field(None, ge=1, description="cap on max_new_tokens / max_tokens "
@@ -100,6 +104,20 @@ def load_settings(**overrides) -> Settings:
             flag = field.replace("_", "-")
             lines.append(f"invalid setting {field} (--{flag} or env GPT_{field.upper()}): {err['msg']}")
         raise SettingsError("; ".join(lines)) from None
+
+
+CPU_DEFAULT_BATCH = 32  # bench/stack.py and bench/serve.py: sampled traffic keeps scaling past 16 streams on 2 cores
+
+
+def default_max_batch_size(n_layer: int, n_embd: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                           memory_fraction: float) -> int:
+    """Slots that fit the device: on a GPU, `memory_fraction` of its free memory in full-length KV-cache slots
+    (keys and values of every layer, plus the sampler's per-slot state), 8..256; on a CPU a fixed 32."""
+    if device.type != "cuda":
+        return CPU_DEFAULT_BATCH
+    free, _total = torch.cuda.mem_get_info(device)
+    per_slot = 2 * n_layer * block_size * n_embd * torch.empty((), dtype=dtype).element_size() + 4 * 1024 * 1024
+    return max(8, min(256, int(free * memory_fraction) // per_slot))
 
 
 def resolve_device(name: str) -> torch.device:

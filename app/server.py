@@ -29,7 +29,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from app import __version__
-from app.config import DTYPE_NAMES, Settings, SettingsError, load_settings, resolve_device, resolve_dtype
+from app.config import (
+    DTYPE_NAMES,
+    Settings,
+    SettingsError,
+    default_max_batch_size,
+    load_settings,
+    resolve_device,
+    resolve_dtype,
+)
 from app.engine import Engine, EngineError, Failed, GenerationRequest, QueueFullError, TokenOut
 from app.errors import ApiError, error_body, install_error_handlers
 from app.metrics import Metrics
@@ -93,6 +101,10 @@ class Service:
             self.loaded = await asyncio.to_thread(load_model, self.settings)
         ckpt, s = self.loaded.checkpoint, self.settings
         block = ckpt.config.block_size
+        if s.max_batch_size is None:
+            s.max_batch_size = default_max_batch_size(ckpt.config.n_layer, ckpt.config.n_embd, block,
+                                                      self.loaded.device, self.loaded.dtype,
+                                                      s.kv_cache_memory_fraction)
         self.limits = Limits(
             block_size=block,
             max_prompt_tokens=min(s.max_prompt_tokens or block - 1, block - 1),

@@ -56,10 +56,18 @@ def serve(name: str = "serve") -> str:
     d = _load(name)
     if d is None:
         return ""
+    workloads = ", ".join(d.get("workloads") or ["greedy"])  # results before the sampled workloads: greedy only
+    if d.get("sampled_workloads_on") and workloads != "greedy":
+        workloads += f" (non-greedy on the `{d['sampled_workloads_on']}` server)"
+    batch = ", ".join(f"{k} {v}" for k, v in (d.get("max_batch_size") or {}).items())
+    library = d["summary"].get("library_batch1_tok_s")
     lines = [f"**{name}** — {_head(d)}", "",
-             f"Prompt {d['prompt_tokens']} tokens, {d['max_new_tokens']} new tokens, greedy, "
-             f"{d['requests_per_stream']} requests per stream and level. HF offline batch 8: "
-             f"{(d.get('hf_offline_batch8') or {}).get('tok_s')} tok/s. Summary: `{json.dumps(d['summary'])}`", "",
+             f"Prompt {d['prompt_tokens']} tokens, {d['max_new_tokens']} new tokens, {workloads}, "
+             f"{d['requests_per_stream']} requests per stream and level"
+             + (f"; GPT_MAX_BATCH_SIZE {batch}" if batch else "")
+             + (f". Library loop, batch 1: {library} tok/s" if library else "")
+             + f". HF offline batch 8: {(d.get('hf_offline_batch8') or {}).get('tok_s')} tok/s. "
+             f"Summary: `{json.dumps(d['summary'])}`", "",
              "| server | streams | requests | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | errors | load |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for server, rows in d["levels"].items():

@@ -1,18 +1,24 @@
-"""Server load benchmark: concurrent SSE streams against `/generate_stream`, batched vs unbatched.
+"""Server load benchmark: concurrent SSE streams against `/generate_stream`, batched vs unbatched vs defaults.
 
     python -m bench.serve [--checkpoint DIR] [--levels 1,4,8,16,32] [--max-new-tokens 64] [--requests 2]
+                          [--workloads greedy,sampled]
     python -m bench.serve --url http://127.0.0.1:8000 --no-baseline   # against a server you started
 
-By default it starts two servers on 127.0.0.1 (free ports) from the same checkpoint (default: the
-random GPT-2 124M of bench.decode): one with continuous batching (GPT_MAX_BATCH_SIZE = the highest
-level) and one with batching disabled (GPT_MAX_BATCH_SIZE=1). For each concurrency level, the two
-run back to back (so other load on a shared machine hits both alike): N client streams each send
-`--requests` greedy requests one after another (same fixed prompt, `--max-new-tokens` each), no new
-request starting after `--level-budget-s`. Reported per level: aggregate generated tokens/s (all
-tokens ÷ wall time of the level), time to first token p50/p99 (from sending the request to the
-first token event), inter-token latency p50/p99 (gaps between token events of a stream), errors.
-It also times transformers' offline `generate` at batch 8 (same prompt length and new tokens) in
-the same run, as the throughput to beat.
+By default it starts three servers on 127.0.0.1 (free ports) from the same checkpoint (default: the
+random GPT-2 124M of bench.decode): one with continuous batching sized for the load
+(GPT_MAX_BATCH_SIZE = the highest level), one with the app's default settings (no GPT_MAX_BATCH_SIZE:
+what a user who just runs `python -m app` gets) and one with batching disabled (GPT_MAX_BATCH_SIZE=1);
+all with GPT_TORCH_THREADS = --threads. Greedy requests go to every server; the sampled workloads
+(`sampled`: temperature 0.8 and a seed per request; `top_p`: temperature 0.8, top_p 0.95, seed) go to
+the default-settings server. For each concurrency level the runs go back to back, the order
+alternating (so other load on a shared machine hits all alike): N client streams each send
+`--requests` requests one after another (same fixed prompt, `--max-new-tokens` each), no new request
+starting after `--level-budget-s`. Reported per level: aggregate generated tokens/s (all tokens ÷ wall
+time of the level), time to first token p50/p99 (from sending the request to the first token event),
+inter-token latency p50/p99 (gaps between token events of a stream), errors. Beside the level-1 runs it
+times the in-process library loop (`model.generate.generate`, batch 1, greedy, same prompt and new
+tokens), so one HTTP stream can be compared with the loop it wraps; and it times transformers'
+offline `generate` at batch 8 (same prompt length and new tokens), as the throughput to beat.
 
 Writes bench/results/serve.json and bench/results/serve.png. Only loopback addresses are used.
 """
@@ -45,6 +51,14 @@ from bench.common import (
     write_result,
 )
 
+# name → the TGI `parameters` of a request (a per-request seed is added to the sampled ones) and the
+# equivalent SamplingParams of the library loop
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "greedy": {"do_sample": False},
+    "sampled": {"temperature": 0.8},
+    "top_p": {"temperature": 0.8, "top_p": 0.95},
+}
+
 PROMPT = ("The service had been running for three days when the first request for a longer story arrived, "
           "and the operators, who had expected nothing of the kind, gathered around the single screen to watch")
 
@@ -61,14 +75,47 @@ def check_loopback(url: str) -> None:
         raise SystemExit(f"refusing to load-test {host!r}: only loopback addresses (127.0.0.0/8, ::1, localhost)")
 
 
-class Server:
-    """`python -m app` in a subprocess on 127.0.0.1, stopped with SIGTERM (then SIGKILL) on exit."""
+def tgi_parameters(workload: str, max_new: int, seed: int) -> dict[str, Any]:
+    """TGI `parameters` of one request of `workload`; sampled workloads get `seed`."""
+    params = {"max_new_tokens": max_new, **WORKLOADS[workload]}
+    if workload != "greedy":
+        params["seed"] = seed
+    return params
 
-    def __init__(self, checkpoint: Path, max_batch: int, threads: int, log: Path) -> None:
+
+def library_params(workload: str, max_new: int, seed: int, stop_at_eos: bool = True):
+    """The SamplingParams the server derives from tgi_parameters(workload, max_new, seed)."""
+    from model.sampling import SamplingParams
+
+    w = WORKLOADS[workload]
+    return SamplingParams(max_new_tokens=max_new, temperature=w.get("temperature", 0.0), top_p=w.get("top_p", 1.0),
+                          seed=seed, stop_at_eos=stop_at_eos)
+
+
+def app_default_max_batch() -> int | None:
+    """The slots a server started without GPT_MAX_BATCH_SIZE uses on this (CPU) machine."""
+    try:
+        from app.config import CPU_DEFAULT_BATCH
+
+        return CPU_DEFAULT_BATCH
+    except ImportError:
+        return None
+
+
+class Server:
+    """`python -m app` in a subprocess on 127.0.0.1, stopped with SIGTERM (then SIGKILL) on exit.
+
+    max_batch None leaves GPT_MAX_BATCH_SIZE to the app's default (any value in the environment is dropped).
+    """
+
+    def __init__(self, checkpoint: Path, max_batch: int | None, threads: int, log: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "GPT_MAX_BATCH_SIZE": str(max_batch), "GPT_TORCH_THREADS": str(threads),
-               "GPT_LOG_LEVEL": "warning", "GPT_DEVICE": "cpu", "GPT_DTYPE": "fp32", "GPT_MAX_QUEUE": "1000"}
+        env = {k: v for k, v in os.environ.items() if k != "GPT_MAX_BATCH_SIZE"}
+        env.update({"GPT_TORCH_THREADS": str(threads), "GPT_LOG_LEVEL": "warning", "GPT_DEVICE": "cpu",
+                    "GPT_DTYPE": "fp32", "GPT_MAX_QUEUE": "1000"})
+        if max_batch is not None:
+            env["GPT_MAX_BATCH_SIZE"] = str(max_batch)
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "app", "--checkpoint", str(checkpoint), "--host", "127.0.0.1",
@@ -100,50 +147,109 @@ class Server:
         self.log.close()
 
 
-async def one_request(client, url: str, prompt: str, max_new: int, timeout: float) -> dict[str, Any]:
-    """One streamed request; token arrival times relative to the send."""
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new, "do_sample": False, "temperature": 0}}
-    t0 = time.perf_counter()
-    times: list[float] = []
-    error = None
+    def cpu_s(self) -> float | None:
+        """CPU seconds (user + system) the server process has used so far."""
+        return proc_cpu_s(self.proc.pid)
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) of process `pid`, from /proc (None where unavailable)."""
     try:
-        async with client.stream("POST", url + "/generate_stream", json=body, timeout=timeout) as r:
-            if r.status_code != 200:
-                error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-            else:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    ev = json.loads(line[5:])
-                    if "error" in ev:
-                        error = f"error event: {ev['error']}"
-                        break
-                    times.append(time.perf_counter() - t0)
-                    if ev.get("generated_text") is not None:
-                        break
-    except Exception as e:  # noqa: BLE001 - any failure of a request is counted, not fatal
-        error = f"{type(e).__name__}: {e}"
-    return {"start": t0, "times": times, "error": error}
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class SSEConnection:
+    """A lean HTTP/1.1 client for SSE streams over one keep-alive connection (asyncio streams).
+
+    Why not httpx: on a 2-core machine that runs the server too, httpx's per-line parsing costs about
+    0.4 of a core at 2,000 events/s, which the server then loses (measured: 2,420 vs 3,750 tok/s for
+    the same server at 64 streams). This client only splits chunks and events and timestamps them;
+    it parses JSON only for an error event.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post_stream(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        times: list[float] = []
+        error = None
+        try:
+            await asyncio.wait_for(self._exchange(path, body, t0, times), timeout)
+        except Exception as e:  # noqa: BLE001 - any failure of a request is counted, not fatal
+            error = f"{type(e).__name__}: {e}"
+            self.close()
+        if error is None and getattr(self, "_error", None):
+            error, self._error = self._error, None
+        return {"start": t0, "times": times, "error": error}
+
+    async def _exchange(self, path: str, body: dict[str, Any], t0: float, times: list[float]) -> None:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        data = json.dumps(body).encode()
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        headers = head.lower()
+        if b"transfer-encoding: chunked" not in headers:
+            n = int(headers.split(b"content-length:")[1].split(b"\r\n")[0]) if b"content-length:" in headers else 0
+            payload = await self.reader.readexactly(n)
+            self._error = f"HTTP {status}: {payload[:200]!r}"
+            return
+        pending = b""
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n"))[:-2], 16)
+            chunk = await self.reader.readexactly(size + 2)
+            if size == 0:
+                return
+            now = time.perf_counter() - t0
+            pending += chunk[:-2]
+            *events, pending = pending.split(b"\n\n")
+            for ev in events:
+                if not ev.startswith(b"data:"):
+                    continue
+                if status != 200 or ev.startswith(b'data:{"error"'):
+                    self._error = f"error event: {json.loads(ev[5:]).get('error')}"
+                    continue
+                times.append(now)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
 
 
 async def run_level(url: str, streams: int, requests: int, max_new: int, budget_s: float,
-                    timeout: float) -> dict[str, Any]:
-    import httpx
+                    timeout: float, workload: str = "greedy", prompt: str = PROMPT) -> dict[str, Any]:
+    """`streams` concurrent clients, each sending `requests` requests of `workload` one after another.
 
-    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
-    async with httpx.AsyncClient(limits=limits) as client:
-        t_start = time.perf_counter()
+    Request k of stream i has seed i + k·streams (sampled workloads), as row i of the k-th library batch.
+    """
+    parsed = urlparse(url)
+    t_start = time.perf_counter()
 
-        async def stream_worker() -> list[dict[str, Any]]:
-            done = []
-            for _ in range(requests):
+    async def stream_worker(i: int) -> list[dict[str, Any]]:
+        conn = SSEConnection(parsed.hostname, parsed.port)
+        done = []
+        try:
+            for k in range(requests):
                 if done and time.perf_counter() - t_start > budget_s:
                     break
-                done.append(await one_request(client, url, PROMPT, max_new, timeout))
-            return done
+                params = tgi_parameters(workload, max_new, seed=i + k * streams)
+                done.append(await conn.post_stream("/generate_stream", {"inputs": prompt, "parameters": params},
+                                                   timeout))
+        finally:
+            conn.close()
+        return done
 
-        per_stream = await asyncio.gather(*(stream_worker() for _ in range(streams)))
-        wall = time.perf_counter() - t_start
+    per_stream = await asyncio.gather(*(stream_worker(i) for i in range(streams)))
+    wall = time.perf_counter() - t_start
     reqs = [r for s in per_stream for r in s]
     ok = [r for r in reqs if r["error"] is None and r["times"]]
     ttft = sorted(r["times"][0] for r in ok)
@@ -153,12 +259,30 @@ async def run_level(url: str, streams: int, requests: int, max_new: int, budget_
     def pct(xs: list[float], p: float) -> float | None:
         return round(1000 * xs[min(len(xs) - 1, int(p / 100 * len(xs)))], 1) if xs else None
 
-    return {"streams": streams, "requests": len(reqs), "errors": len(reqs) - len(ok),
+    return {"streams": streams, "workload": workload, "requests": len(reqs), "errors": len(reqs) - len(ok),
             "error_examples": sorted({r["error"] for r in reqs if r["error"]})[:3],
             "generated_tokens": tokens, "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 2),
             "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
             "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99),
-            "tokens_per_request_min": min((len(r["times"]) for r in ok), default=0)}
+            "tokens_per_request_min": min((len(r["times"]) for r in ok), default=0),
+            # requests that ended before max_new tokens (e.g. on <|endoftext|>): tok/s counts tokens received
+            "short_requests": sum(len(r["times"]) < max_new for r in ok)}
+
+
+def library_level(model, tokenizer, prompt_ids: list[int], batch: int, requests: int, max_new: int,
+                  workload: str = "greedy", stop_at_eos: bool = True) -> dict[str, Any]:
+    """The in-process loop (`model.generate.generate`) on `batch` copies of the prompt, `requests` times
+    in a row (batch k's row i has seed i + k·batch, as the server's stream i); tokens/s over the whole."""
+    from model.generate import generate
+
+    tokens, t0 = 0, time.perf_counter()
+    for k in range(requests):
+        params = [library_params(workload, max_new, i + k * batch, stop_at_eos) for i in range(batch)]
+        seqs = generate(model, tokenizer, [list(prompt_ids) for _ in range(batch)], params)
+        tokens += sum(len(s.tokens) for s in seqs)
+    wall = time.perf_counter() - t0
+    return {"batch": batch, "workload": workload, "calls": requests, "generated_tokens": tokens,
+            "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 2)}
 
 
 def hf_batch8(hf_dir: Path, prompt_tokens: int, max_new: int, threads: int, repeats: int) -> dict[str, Any]:
@@ -187,22 +311,27 @@ print(json.dumps(out))
     return {"tok_s": round(median(runs), 2), "tok_s_all": [round(x, 2) for x in runs]}
 
 
-def plot(results: dict[str, list[dict[str, Any]]], hf: float | None, path: Path) -> None:
+def plot(results: dict[str, list[dict[str, Any]]], hf: float | None, library: float | None, title: str,
+         path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, rows in results.items():
-        x = [r["streams"] for r in rows]
-        a.plot(x, [r["tok_s"] for r in rows], "o-", label=name)
-        b.plot(x, [r["ttft_ms_p50"] for r in rows], "o-", label=f"{name} TTFT p50")
-        b.plot(x, [r["ttft_ms_p99"] for r in rows], "o--", label=f"{name} TTFT p99")
-        b.plot(x, [r["itl_ms_p50"] for r in rows], "s-", label=f"{name} ITL p50")
-        b.plot(x, [r["itl_ms_p99"] for r in rows], "s--", label=f"{name} ITL p99")
+    styles = {"ttft_ms_p50": ("o-", "TTFT p50"), "ttft_ms_p99": ("o--", "TTFT p99"),
+              "itl_ms_p50": ("s-", "ITL p50"), "itl_ms_p99": ("s--", "ITL p99")}
+    for j, (name, rows) in enumerate(results.items()):
+        x, color = [r["streams"] for r in rows], f"C{j}"
+        a.plot(x, [r["tok_s"] for r in rows], "o-", color=color, label=name)
+        for key, (style, _) in styles.items():  # one colour per run; the line style says which latency
+            b.plot(x, [r[key] for r in rows], style, color=color, label=name if key == "ttft_ms_p50" else None)
+    for style, what in styles.values():
+        b.plot([], [], style, color="gray", label=what)
     if hf:
         a.axhline(hf, color="gray", ls=":", label="HF generate, offline batch 8")
+    if library:
+        a.plot([1], [library], "k*", markersize=10, label="library loop, batch 1")
     a.set(xlabel="concurrent streams", ylabel="generated tokens/s (aggregate)", title="Throughput", xscale="log")
     b.set(xlabel="concurrent streams", ylabel="ms", title="Latency", xscale="log", yscale="log")
     for ax in (a, b):
@@ -210,7 +339,7 @@ def plot(results: dict[str, list[dict[str, Any]]], hf: float | None, path: Path)
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("GPT-2 124M (fp32, CPU) behind `python -m app`: /generate_stream, greedy")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -218,38 +347,63 @@ def plot(results: dict[str, list[dict[str, Any]]], hf: float | None, path: Path)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, default=None, help="default: the random GPT-2 124M of bench.decode")
-    ap.add_argument("--url", default=None, help="use a running server (loopback only) instead of starting two")
+    ap.add_argument("--url", default=None, help="use a running server (loopback only) instead of starting them")
     ap.add_argument("--levels", default="1,4,8,16,32", help="concurrent streams per level")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=2, help="requests per stream and level")
+    ap.add_argument("--workloads", default="greedy,sampled",
+                    help=f"comma-separated subset of {list(WORKLOADS)}; greedy runs on every server, the others "
+                         "on the default-settings one")
     ap.add_argument("--level-budget-s", type=float, default=45.0, help="no new requests after this (per level)")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per-request client timeout")
-    ap.add_argument("--threads", type=int, default=2, help="GPT_TORCH_THREADS of the servers")
+    ap.add_argument("--threads", type=int, default=2, help="GPT_TORCH_THREADS of the servers (and the library loop)")
     ap.add_argument("--no-unbatched", action="store_true", help="skip the GPT_MAX_BATCH_SIZE=1 server")
+    ap.add_argument("--no-default", action="store_true",
+                    help="skip the default-settings server (the sampled workloads then run on the batched one)")
+    ap.add_argument("--no-library", action="store_true", help="skip the in-process library loop at batch 1")
     ap.add_argument("--no-baseline", action="store_true", help="skip timing HF's offline batch-8 generate")
     ap.add_argument("--out", default="serve", help="result name: bench/results/<out>.json and .png")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
+    workloads = args.workloads.split(",")
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
+    if "greedy" not in workloads:
+        workloads.insert(0, "greedy")  # every server's comparison is greedy
 
-    set_threads(args.threads)  # for the contention probe in env_info; the servers set their own
+    set_threads(args.threads)  # for the contention probe in env_info and the library loop; servers set their own
     info = env_info()
     warn_contention(info)
     hf_dir = None
+    explicit_checkpoint = args.checkpoint is not None
     if args.checkpoint is None:
         hf_dir, args.checkpoint = random_gpt2()
-    prompt_tokens = None
+    prompt_tokens = prompt_ids = None
     try:
         from model.checkpoint import read_config
         from model.tokenizer import load_tokenizer
 
         tok = load_tokenizer(json.loads((args.checkpoint / "tokenizer.json").read_text()), args.checkpoint)
-        prompt_tokens = len(tok.encode(PROMPT))
+        prompt_ids = tok.encode(PROMPT)
+        prompt_tokens = len(prompt_ids)
         block = read_config(args.checkpoint).block_size
         if prompt_tokens + args.max_new_tokens > block:
             raise SystemExit(f"prompt ({prompt_tokens}) + max_new_tokens exceeds the context ({block})")
     except (OSError, ValueError, KeyError):
         pass
+    # the in-process loop on the same checkpoint (with --url only when --checkpoint names the server's)
+    lib_model = lib_tok = None
+    if not args.no_library and (not args.url or explicit_checkpoint):
+        from model.checkpoint import load_checkpoint
+        from model.sampling import Sampler
 
+        ck = load_checkpoint(args.checkpoint)
+        lib_model, lib_tok = ck.model, ck.tokenizer
+        lib_model.pad_vocab(Sampler(1, lib_tok.vocab_size, 4).padded)  # the server's layout
+        prompt_ids = lib_tok.encode(PROMPT)
+
+    default_batch = app_default_max_batch()
     servers: dict[str, Server] = {}
     logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))  # server logs, named in any start-up error
     try:
@@ -258,22 +412,42 @@ def main(argv: list[str] | None = None) -> int:
             urls = {"server": args.url}
         else:
             servers["batched"] = Server(args.checkpoint, max(levels), args.threads, logs / "batched.log")
+            if not args.no_default:
+                servers["default"] = Server(args.checkpoint, None, args.threads, logs / "default.log")
             if not args.no_unbatched:
                 servers["unbatched"] = Server(args.checkpoint, 1, args.threads, logs / "unbatched.log")
             for s in servers.values():
                 s.wait_ready()
             urls = {name: s.url for name, s in servers.items()}
-        for url in urls.values():  # warm-up request (first-request costs of the HTTP stack)
-            asyncio.run(run_level(url, 1, 1, 4, 60, args.timeout_s))
-        results: dict[str, list[dict[str, Any]]] = {name: [] for name in urls}
+        # runs: (result name, server, workload): greedy on every server, the sampled workloads on the one
+        # with the app's default settings (or the only/batched one)
+        sampled_on = "default" if "default" in urls else next(iter(urls))
+        runs = [(name, name, "greedy") for name in urls]
+        runs += [(f"{sampled_on}+{w}", sampled_on, w) for w in workloads if w != "greedy"]
+        for name, url in urls.items():  # warm-up request (first-request costs of the HTTP stack)
+            asyncio.run(run_level(url, 1, 1, 4, 60, args.timeout_s, "sampled" if name == sampled_on else "greedy"))
+        if lib_model is not None:
+            library_level(lib_model, lib_tok, prompt_ids, 1, 1, 4)  # warm-up
+        results: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in runs}
+        library: list[dict[str, Any]] = []
         for i, n in enumerate(levels):
-            order = list(urls) if i % 2 == 0 else list(urls)[::-1]
-            for name in order:
-                res = asyncio.run(run_level(urls[name], n, args.requests, args.max_new_tokens,
-                                            args.level_budget_s, args.timeout_s))
+            order: list[tuple[str, str, str] | None] = list(runs)
+            if lib_model is not None and (n == 1 or (1 not in levels and i == 0)):
+                order.append(None)  # the library loop, batch 1, beside this level's runs
+            for run in (order if i % 2 == 0 else order[::-1]):
+                if run is None:
+                    res = library_level(lib_model, lib_tok, prompt_ids, 1, args.requests, args.max_new_tokens)
+                    res["loadavg"] = round(os.getloadavg()[0], 2)
+                    library.append(res)
+                    print(f"{'library':16s}   1 stream : {res['tok_s']:7.1f} tok/s  ({res['generated_tokens']} "
+                          f"tokens in {res['wall_s']} s)  load {res['loadavg']}", flush=True)
+                    continue
+                name, server, workload = run
+                res = asyncio.run(run_level(urls[server], n, args.requests, args.max_new_tokens,
+                                            args.level_budget_s, args.timeout_s, workload))
                 res["loadavg"] = round(os.getloadavg()[0], 2)
                 results[name].append(res)
-                print(f"{name:9s} {n:3d} streams: {res['tok_s']:7.1f} tok/s  TTFT p50 {res['ttft_ms_p50']} "
+                print(f"{name:16s} {n:3d} streams: {res['tok_s']:7.1f} tok/s  TTFT p50 {res['ttft_ms_p50']} "
                       f"p99 {res['ttft_ms_p99']} ms  ITL p50 {res['itl_ms_p50']} p99 {res['itl_ms_p99']} ms  "
                       f"errors {res['errors']}  load {res['loadavg']}", flush=True)
     finally:
@@ -297,23 +471,44 @@ def main(argv: list[str] | None = None) -> int:
         ub = {r["streams"]: r for r in results["unbatched"]}
         summary["batched_vs_unbatched"] = {n: round(by_level[n]["tok_s"] / ub[n]["tok_s"], 2)
                                            for n in levels if n in ub and ub[n]["tok_s"]}
+    if "default" in results:
+        df = {r["streams"]: r for r in results["default"]}
+        summary["default_vs_batched"] = {n: round(df[n]["tok_s"] / by_level[n]["tok_s"], 2)
+                                         for n in levels if n in df and by_level.get(n, {}).get("tok_s")}
+    greedy_rows = {r["streams"]: r for r in results[sampled_on]}
+    for w in workloads:
+        if w != "greedy":
+            summary[f"{w}_vs_greedy_{sampled_on}"] = {
+                r["streams"]: round(r["tok_s"] / greedy_rows[r["streams"]]["tok_s"], 2)
+                for r in results[f"{sampled_on}+{w}"] if greedy_rows.get(r["streams"], {}).get("tok_s")}
+    lib_tok_s = median([r["tok_s"] for r in library]) if library else None
+    if lib_tok_s:
+        summary["library_batch1_tok_s"] = lib_tok_s
+        summary["http_1_stream_vs_library"] = {name: round(r["tok_s"] / lib_tok_s, 3) for name, rs in results.items()
+                                               for r in rs if r["streams"] == 1 and r["workload"] == "greedy"}
 
     table = []
     for name, rs in results.items():
         for r in rs:
             table.append([name, r["streams"], r["requests"], r["tok_s"], r["ttft_ms_p50"], r["ttft_ms_p99"],
-                          r["itl_ms_p50"], r["itl_ms_p99"], r["errors"]])
+                          r["itl_ms_p50"], r["itl_ms_p99"], r["tokens_per_request_min"], r["errors"]])
+    for r in library:
+        table.append(["library", 1, r["calls"], r["tok_s"], "", "", "", "", r["generated_tokens"] // r["calls"], 0])
     print()
-    print_table(["server", "streams", "requests", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-                 "ITL p99 ms", "errors"], table)
+    print_table(["run", "streams", "requests", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                 "ITL p99 ms", "min tokens", "errors"], table)
     print(json.dumps(summary))
     png = RESULTS / f"{args.out}.png"
-    plot(results, hf.get("tok_s") if hf else None, png)
+    model_name = "GPT-2 124M (random)" if hf_dir is not None else args.checkpoint.name
+    plot(results, hf.get("tok_s") if hf else None, lib_tok_s,
+         f"{model_name} (fp32, CPU) behind `python -m app`: /generate_stream, {', '.join(workloads)}", png)
     data = {**info, "benchmark": "serve", "checkpoint": str(args.checkpoint), "threads": args.threads,
             "prompt": PROMPT, "prompt_tokens": prompt_tokens, "max_new_tokens": args.max_new_tokens,
             "requests_per_stream": args.requests, "level_budget_s": args.level_budget_s,
-            "max_batch_size": {"batched": max(levels), "unbatched": 1} if not args.url else None,
-            "hf_offline_batch8": hf, "summary": summary, "levels": results}
+            "max_batch_size": {name: {"batched": max(levels), "default": default_batch, "unbatched": 1}[name]
+                               for name in servers} if not args.url else None,
+            "workloads": {w: WORKLOADS[w] for w in workloads}, "sampled_workloads_on": sampled_on,
+            "hf_offline_batch8": hf, "library_batch1": library, "summary": summary, "levels": results}
     path = write_result(args.out, data)
     print(f"wrote {path} and {png}")
     return 0

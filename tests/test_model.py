@@ -105,6 +105,37 @@ def test_batch_gives_each_prompt_its_solo_result(params):
         assert [e.logprob for e in seq.events] == pytest.approx([e.logprob for e in solo.events], abs=1e-5)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["model-vocab", "padded-vocab"])
+def test_a_decode_step_reads_back_once(padded):
+    # model forward + sampler: no host sync but the one read-back of the chosen tokens (on CUDA,
+    # torch.cuda.set_sync_debug_mode would flag the same calls)
+    from tests.test_sampling import ReadBackCounter
+
+    model = tiny_model(vocab_size=257)
+    tok = _tok()
+    if padded:
+        model.pad_vocab(512)
+    prompts = [tok.encode(t) for t in ["abcd", "efgh", "ijkl"]]  # one prefill group
+    params = [SamplingParams(max_new_tokens=6, temperature=0, stop_at_eos=False),
+              SamplingParams(max_new_tokens=6, temperature=0.9, top_k=20, seed=1, stop_at_eos=False),
+              SamplingParams(max_new_tokens=6, temperature=1.0, presence_penalty=0.5, seed=2, stop_at_eos=False)]
+    generate(model, tok, prompts, params)  # warm
+    with ReadBackCounter() as c:
+        generate(model, tok, prompts, params)
+    assert c.calls == ["tolist"] * 6  # 1 prefill + 5 decode steps
+
+
+def test_padded_vocab_gives_the_same_tokens():
+    model = tiny_model(vocab_size=257)
+    tok = _tok()
+    prompts = [tok.encode(t) for t in ["hello", "x"]]
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=3)
+    before = [s.tokens for s in generate(model, tok, prompts, params)]
+    model.pad_vocab(512)
+    assert model.lm_head.weight is model.transformer.wte.weight and model.config.vocab_size == 512
+    assert [s.tokens for s in generate(model, tok, prompts, params)] == before
+
+
 def test_seed_reproduces_and_differs():
     model = tiny_model(vocab_size=257)
     tok = _tok()

@@ -44,6 +44,7 @@ bench: install
 	$(PY) -m bench.decode
 	$(PY) -m bench.train
 	$(PY) -m bench.serve
+	$(PY) -m bench.stack
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -62,6 +62,8 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(None, ge=1, le=1024, description="CPU threads for torch ops "
                                                                      "(default: torch's choice)")
     warmup: bool = Field(True, description="run a short generation before /health reports ready")
+    cuda_graphs: bool | None = Field(None, description="decode from CUDA graphs captured at warm-up (default: on "
+                                                       "with CUDA; kept only if a replay equals eager decoding)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     @field_validator("device")

@@ -176,7 +176,8 @@ def _put_all(items: list[tuple[GenerationRequest, TokenOut | Failed]]) -> None:
 
 class Engine:
     def __init__(self, model: GPT, tokenizer: Tokenizer, *, max_batch_size: int = 8, max_queue: int = 128,
-                 prefill_chunk: int = 128, metrics=None, warmup: bool = True) -> None:
+                 prefill_chunk: int = 128, metrics=None, warmup: bool = True,
+                 cuda_graphs: bool | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -187,6 +188,9 @@ class Engine:
         model.pad_vocab(self.sampler.padded)  # the sampler reads the logits in place, as whole blocks
         self.metrics = metrics
         self._warmup_enabled = warmup
+        # decode steps from CUDA graphs (model.cuda_graphs): on by default on CUDA, captured at warm-up
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        self._graphed = None
 
         self._cv = threading.Condition()
         self._waiting: deque[GenerationRequest] = deque()  # guarded by _cv
@@ -332,6 +336,8 @@ class Engine:
                 self.cache.lengths_t[:] = self.cache.lengths[0]
                 logits = decode_step(self.model, self.cache, range(n), self.sampler.last[:n])
                 self.sampler.step(logits, range(n))
+                if self.cuda_graphs:
+                    self._capture_graphs()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             log.info("warm-up done in %.0f ms", (time.perf_counter() - t0) * 1000)
@@ -342,6 +348,21 @@ class Engine:
             for s in range(n):
                 self.cache.reset(s)
                 self.sampler.release(s)
+
+    def _capture_graphs(self) -> None:
+        """Capture the decode step per batch bucket; keep the graphs only if a replay equals eager decoding."""
+        try:
+            from model.cuda_graphs import GraphedDecode
+
+            graphed = GraphedDecode(self.model, self.cache, self.max_batch_size)
+            graphed.capture_all()
+            if graphed.check(self.max_batch_size):
+                self._graphed = graphed
+                log.info("decode steps run from CUDA graphs (%d batch buckets)", len(graphed.buckets))
+            else:
+                log.warning("CUDA graph replay differs from eager decoding; decoding eagerly")
+        except Exception as e:  # a capture that fails costs speed, never the server
+            log.warning("CUDA graphs unavailable (%s: %s); decoding eagerly", type(e).__name__, e)
 
     def _expire_waiting(self) -> None:
         """Drop waiting requests that were cancelled or ran out of time (caller holds the lock)."""
@@ -421,7 +442,10 @@ class Engine:
             batch = list(self._decoding)
             n = len(batch)
             self.max_batch_seen = max(self.max_batch_seen, n)
-            logits = decode_step(self.model, self.cache, range(n), self.sampler.last[:n])
+            if self._graphed is not None:
+                logits = self._graphed(self.sampler.last[:n], n)
+            else:
+                logits = decode_step(self.model, self.cache, range(n), self.sampler.last[:n])
             self.decode_steps += 1
             self._emit(self.sampler.step(logits, range(n)), batch)
 

@@ -114,7 +114,8 @@ class Service:
             max_top_n_tokens=s.max_top_n_tokens)
         try:
             self.engine = Engine(ckpt.model, ckpt.tokenizer, max_batch_size=s.max_batch_size, max_queue=s.max_queue,
-                                 prefill_chunk=s.prefill_chunk, metrics=self.metrics, warmup=s.warmup)
+                                 prefill_chunk=s.prefill_chunk, metrics=self.metrics, warmup=s.warmup,
+                                 cuda_graphs=s.cuda_graphs)
         except (RuntimeError, ValueError) as e:  # e.g. the KV cache does not fit in memory
             raise StartupError(f"cannot allocate the KV cache ({s.max_batch_size} slots x {block} tokens): "
                                f"{type(e).__name__}: {e}") from None

@@ -232,3 +232,12 @@ class GPT(nn.Module):
         if not all_logits:
             x = x[:, -1, :]
         return linear(self.transformer.ln_f(x), self.lm_head)
+
+    def decode_static(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """idx (B, 1): one token for each of slots 0..B-1 → logits (B, vocab), with static shapes
+        (`KVCache.plan_static`); the caller advances the cache. The body that a CUDA graph captures."""
+        step = cache.plan_static(idx.size(0))
+        x = self._embed(idx, step.positions)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, (cache.k[i], cache.v[i]), step)
+        return linear(self.transformer.ln_f(x[:, -1, :]), self.lm_head)

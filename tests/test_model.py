@@ -185,3 +185,31 @@ def test_equal_length_prompts_prefilled_together_match_solo():
     for p, seq in zip(prompts, batched):
         assert seq.tokens == generate(model, tok, [p], params)[0].tokens
     assert batched[0].tokens == batched[2].tokens  # same prompt, same seed
+
+
+@pytest.mark.parametrize("overrides", [{}, {"position": "sinusoidal", "norm": "post"}])
+def test_static_decode_step_equals_the_dynamic_one(overrides):
+    # the body a CUDA graph captures (whole-cache attention under a mask, positions read on the device)
+    # gives the dynamic step's logits; a row past the live ones (a slot still prefilling) is not disturbed
+    model = tiny_model(vocab_size=300, **overrides)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 7, 5, 6)]
+    caches = [KVCache(model.config, n_slots=4) for _ in range(2)]
+    for cache in caches:
+        for slot, p in enumerate(prompts[:3]):
+            prefill(model, cache, slot, p)
+        prefill(model, cache, 3, prompts[3][:2])  # slot 3 is half-way through its prompt
+    static, dynamic = caches
+    tokens = torch.tensor([11, 22, 33, 44])
+    for _ in range(3):
+        with torch.inference_mode():
+            a = model.decode_static(tokens.view(-1, 1), static)[:3]  # 4 rows: the 4th is padding
+        static.advance(range(3), 1)
+        b = decode_step(model, dynamic, [0, 1, 2], tokens[:3])
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        tokens = a.argmax(-1).tolist() + [44]
+        tokens = torch.tensor(tokens)
+    assert static.lengths == dynamic.lengths and torch.equal(static.lengths_t, dynamic.lengths_t)
+    a = prefill(model, static, 3, prompts[3][2:])
+    b = prefill(model, dynamic, 3, prompts[3][2:])
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

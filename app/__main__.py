@@ -29,7 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", help="auto | cuda | cuda:N | cpu (env GPT_DEVICE, default auto)")
     p.add_argument("--dtype", help="auto | bf16 | fp16 | fp32 (env GPT_DTYPE, default auto)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on generation routes (env GPT_API_KEY)")
-    p.add_argument("--max-batch-size", type=int, help="KV-cache slots (env GPT_MAX_BATCH_SIZE; default: fills GPT_KV_CACHE_MEMORY_FRACTION of a GPU, 32 on a CPU)")
+    p.add_argument("--max-batch-size", type=int, help="KV-cache slots (env GPT_MAX_BATCH_SIZE; default: "
+                   "GPT_KV_CACHE_MEMORY_FRACTION of a GPU's free memory, 32 on a CPU)")
     p.add_argument("--max-queue", type=int, help="waiting requests before 429 (env GPT_MAX_QUEUE, default 128)")
     p.add_argument("--max-prompt-tokens", type=int, help="env GPT_MAX_PROMPT_TOKENS (default context - 1)")
     p.add_argument("--max-new-tokens", type=int, help="cap on max_new_tokens (env GPT_MAX_NEW_TOKENS)")

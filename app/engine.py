@@ -139,33 +139,19 @@ class GenerationRequest:
         while True:
             if not self.queue.empty():  # the common case under load: no timer, no task per token
                 item = self.queue.get_nowait()
-                if item is DISCONNECTED:
+            else:
+                remaining = self.deadline + grace_s - time.monotonic()
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), timeout=max(remaining, 0.01))
+                except TimeoutError:
+                    self.cancel()
+                    yield Failed(504, "timeout", f"the request exceeded the time limit of {self.timeout_s:g} s")
                     return
-                yield item
-                if isinstance(item, Failed) or item.finished is not None:
-                    return
-                continue
-            remaining = self.deadline + grace_s - time.monotonic()
-            try:
-                item = await asyncio.wait_for(self.queue.get(), timeout=max(remaining, 0.01))
-            except TimeoutError:
-                self.cancel()
-                yield Failed(504, "timeout", f"the request exceeded the time limit of {self.timeout_s:g} s")
-                return
             if item is DISCONNECTED:
                 return
             yield item
             if isinstance(item, Failed) or item.finished is not None:
                 return
-
-    # ---- worker side
-    def _deliver(self, item: TokenOut | Failed) -> None:
-        if isinstance(item, Failed) or item.finished is not None:
-            self.closed = True
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.cancelled = True
 
 
 def _put_all(items: list[tuple[GenerationRequest, TokenOut | Failed]]) -> None:

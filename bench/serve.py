@@ -83,6 +83,14 @@ def tgi_parameters(workload: str, max_new: int, seed: int) -> dict[str, Any]:
     return params
 
 
+def parse_workloads(arg: str) -> list[str]:
+    """`--workloads a,b` → names, refusing unknown ones with the list of known ones."""
+    workloads = arg.split(",")
+    if unknown := [w for w in workloads if w not in WORKLOADS]:
+        raise SystemExit(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
+    return workloads
+
+
 def library_params(workload: str, max_new: int, seed: int, stop_at_eos: bool = True):
     """The SamplingParams the server derives from tgi_parameters(workload, max_new, seed)."""
     from model.sampling import SamplingParams
@@ -365,10 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="serve", help="result name: bench/results/<out>.json and .png")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
-    workloads = args.workloads.split(",")
-    unknown = [w for w in workloads if w not in WORKLOADS]
-    if unknown:
-        raise SystemExit(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
+    workloads = parse_workloads(args.workloads)
     if "greedy" not in workloads:
         workloads.insert(0, "greedy")  # every server's comparison is greedy
 

@@ -56,7 +56,7 @@ from bench.common import (
     warn_contention,
     write_result,
 )
-from bench.serve import WORKLOADS, Server, library_level, run_level
+from bench.serve import WORKLOADS, Server, library_level, parse_workloads, run_level
 
 PROMPT = ("The service had been running for three days when the first request for a longer story arrived, "
           "and the operators, who had expected nothing like it, gathered to watch")  # 32 tokens (r50k_base)
@@ -264,10 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="stack", help="result name: bench/results/<out>.json")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
-    workloads = args.workloads.split(",")
-    unknown = [w for w in workloads if w not in WORKLOADS]
-    if unknown:
-        raise SystemExit(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
+    workloads = parse_workloads(args.workloads)
 
     threads = set_threads(args.threads)
     info = env_info()

@@ -69,6 +69,7 @@ class TrainConfig:
     sample_tokens: int = 64  # 0 = no sample at eval
     sample_temperature: float = 0.8
     sample_top_k: int = 50
+    tensorboard: bool = False  # also write TensorBoard event files to OUT/tensorboard (needs the tensorboard package)
 
     # --- system ---
     seed: int = 1337

@@ -1,0 +1,230 @@
+"""The training loop: precision, gradient accumulation, clipping, the schedule, periodic logging, and at every
+eval_interval an evaluation, a sample and a checkpoint; stops at max_iters or after max_minutes."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from model.gpt import GPT
+from training.checkpoints import BEST, LAST, recover_checkpoint_dirs, rng_state, write_checkpoints
+from training.config import TrainConfig
+from training.data import BatchSampler, DataDir, fixed_eval_offsets
+from training.distributed import Dist
+from training.errors import PROG, TrainError
+from training.measure import estimate_loss, flops_per_token, peak_flops, sample_text
+from training.metrics import Metrics
+from training.optim import lr_at, set_lr
+
+
+def setup_precision(cfg: TrainConfig, device: torch.device) -> bool:
+    """Threads and TF32; whether the run autocasts to bf16 (on CUDA only)."""
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    use_bf16 = device.type == "cuda" and (cfg.dtype == "bfloat16" or
+                                          (cfg.dtype == "auto" and torch.cuda.is_bf16_supported()))
+    if cfg.dtype == "bfloat16" and device.type != "cuda":
+        raise TrainError("dtype=bfloat16 needs a CUDA device (CPU training runs in float32)")
+    return use_bf16
+
+
+class Loop:
+    """One invocation of a run, from its first step (or the resumed one) to the last; rank 0 logs and saves."""
+
+    def __init__(self, cfg: TrainConfig, data: DataDir, out: Path, model: GPT, optimizer: torch.optim.Optimizer,
+                 d: Dist, device: torch.device, use_bf16: bool, state: dict[str, Any] | None,
+                 init_meta: dict[str, Any], quiet: bool) -> None:
+        self.cfg, self.data, self.out, self.raw_model, self.optimizer = cfg, data, out, model, optimizer
+        self.d, self.device, self.use_bf16, self.resumed, self.quiet = d, device, use_bf16, state is not None, quiet
+        self.step, self.best_val, self.tokens_seen, self.elapsed_before, self.cpu_before = 0, float("inf"), 0, 0.0, 0.0
+        self.init_meta = init_meta
+        if state is not None:
+            self.step, self.best_val = state["step"], state["best_val_loss"]
+            self.tokens_seen, self.elapsed_before = state["tokens_seen"], state["elapsed_s"]
+            self.cpu_before = state.get("cpu_s", 0.0)
+            self.init_meta = state.get("init_meta", {})
+
+        fwd_model: torch.nn.Module = torch.compile(model) if cfg.compile else model
+        # evaluation runs under no_grad, where model.gpt sends CPU fp32 matmuls to oneDNN's fused linear, an op
+        # inductor cannot lower with non-constant weights: on CPU, evaluate the uncompiled model
+        self.eval_model = fwd_model if device.type == "cuda" else model
+        self.train_model = d.wrap(fwd_model, device)
+
+        self.sampler = BatchSampler(data.train, cfg.block_size, cfg.batch_size, cfg.seed, d.rank)
+        self.eval_offsets = {s: fixed_eval_offsets(len(data.split(s)), cfg.block_size, cfg.batch_size,
+                                                   cfg.eval_iters) for s in ("train", "val")}
+        self.tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * d.world
+        self.peak = peak_flops(device, cfg)
+        self.fpt = flops_per_token(model)
+        self.metrics: Metrics | None = None
+
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.use_bf16 else contextlib.nullcontext()
+
+    def elapsed(self) -> float:
+        """Wall-clock seconds of training so far, over every invocation of the run."""
+        return self.elapsed_before + time.time() - self.t_start
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds (all threads) this rank's process spent on the run: the cost of training on a shared
+        machine, where wall time depends on what else runs."""
+        return self.cpu_before + time.process_time() - self.t_cpu
+
+    def open_log(self) -> None:
+        """Rank 0: the run directory, its metrics log with a `start` event, and a line on the terminal."""
+        cfg, d, model, out = self.cfg, self.d, self.raw_model, self.out
+        if not d.master:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        recover_checkpoint_dirs(out)
+        self.metrics = Metrics(out, keep_until_step=self.step if self.resumed else None, tensorboard=cfg.tensorboard)
+        self.metrics.log("start", step=self.step, resumed=self.resumed, n_params=model.num_params(),
+                         device=str(self.device), world_size=d.world, bf16=self.use_bf16,
+                         tokens_per_step=self.tokens_per_step, data=str(self.data.path), config=cfg.to_dict(),
+                         **self.init_meta)
+        if not self.quiet:
+            vocab = self.data.tokenizer.vocab_size
+            vocab_note = (f" (tokenizer {vocab}, padded to a multiple of {cfg.vocab_multiple})"
+                          if model.config.vocab_size != vocab else "")
+            print(f"{PROG}: {model.num_params() / 1e6:.2f}M parameters, vocab {model.config.vocab_size}"
+                  f"{vocab_note}, {self.tokens_per_step:,} tokens/step, device {self.device}"
+                  f"{' bf16' if self.use_bf16 else ''}, {d.world} process(es)"
+                  f"{f', resuming at step {self.step}' if self.resumed else ''}", file=sys.stderr)
+
+    def checkpoint(self) -> None:
+        """Evaluate, log, sample, and write OUT/best (if improved) and OUT/last (with the training state)."""
+        cfg, d, data, step = self.cfg, self.d, self.data, self.step
+        losses = {s: estimate_loss(self.eval_model, data.split(s), self.eval_offsets[s], cfg.block_size,
+                                   self.device, self.autocast, d) for s in ("train", "val")}
+        rngs = d.gather(rng_state())  # collective: every rank takes part
+        if not d.master:
+            return
+        val = losses["val"]
+        bpb = data.bits_per_byte("val", val)
+        text = sample_text(self.raw_model, data.tokenizer, cfg)
+        improved = val < self.best_val
+        self.best_val = min(self.best_val, val)
+        self.metrics.log("eval", step=step, train_loss=losses["train"], val_loss=val, val_bpb=bpb,
+                         val_ppl=math.exp(min(val, 700)), best_val_loss=self.best_val, tokens=self.tokens_seen,
+                         elapsed_s=round(self.elapsed(), 2), cpu_s=round(self.cpu_seconds(), 1), sample=text)
+        self.metrics.plot_losses()
+        if not self.quiet:
+            tqdm.write(f"step {step}: train {losses['train']:.4f}, val {val:.4f} ({bpb:.4f} bits/byte)"
+                       f"{' *best*' if improved else ''}\n--- sample ---\n{text}\n--------------", file=sys.stderr)
+        meta = {"step": step, "val_loss": val, "val_bits_per_byte": bpb, "train_loss": losses["train"],
+                "tokens_seen": self.tokens_seen, "elapsed_s": round(self.elapsed(), 2),
+                "cpu_s": round(self.cpu_seconds(), 1), "data": str(data.path),
+                "train_config": cfg.to_dict(), **self.init_meta}
+        training_state = {"step": step, "optimizer": self.optimizer.state_dict(), "rng": rngs,
+                          "best_val_loss": self.best_val, "tokens_seen": self.tokens_seen,
+                          "elapsed_s": self.elapsed(), "cpu_s": self.cpu_seconds(), "config": cfg.to_dict(),
+                          "sampler": self.sampler.state(), "world_size": d.world, "init_meta": self.init_meta}
+        write_checkpoints(self.out, self.raw_model, data, meta, training_state, improved)
+
+    def train_step(self) -> float:
+        """One optimizer step of grad_accum micro-batches; returns its learning rate."""
+        cfg, d, model = self.cfg, self.d, self.train_model
+        lr = lr_at(self.step, cfg)
+        set_lr(self.optimizer, lr)
+        for micro in range(cfg.grad_accum):
+            x, y = self.sampler.batch(self.step, micro)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with d.no_sync(model, sync=micro == cfg.grad_accum - 1):
+                with self.autocast():
+                    _, loss = model(x, y)
+                (loss / cfg.grad_accum).backward()
+            self.loss_sum += loss.detach().float() / cfg.grad_accum
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+        return lr
+
+    def log_train(self, lr: float, n_logged: int, t_log: float, bar: tqdm) -> float:
+        """The mean loss of the last n_logged steps (over the ranks) to the log and the bar; returns the time."""
+        d, step = self.d, self.step
+        d.mean_(self.loss_sum)
+        loss_val = (self.loss_sum / n_logged).item()
+        now = time.time()
+        tps = n_logged * self.tokens_per_step / max(now - t_log, 1e-9)
+        if not math.isfinite(loss_val):
+            raise TrainError(f"loss is {loss_val} at step {step}; lower learning_rate or check the data")
+        if d.master:
+            fields = {"step": step, "loss": loss_val, "lr": lr, "tokens": self.tokens_seen,
+                      "tokens_per_s": round(tps, 1), "elapsed_s": round(self.elapsed(), 2),
+                      "cpu_s": round(self.cpu_seconds(), 1)}
+            post = {"loss": f"{loss_val:.4f}", "tok/s": f"{tps:,.0f}"}
+            if self.peak:
+                fields["mfu"] = round(tps / d.world * self.fpt / self.peak, 4)
+                post["mfu"] = f"{fields['mfu'] * 100:.1f}%"
+            self.metrics.log("train", **fields)
+            bar.set_postfix(post, refresh=False)
+        self.loss_sum.zero_()
+        return now
+
+    def run(self) -> GPT:
+        """Train to max_iters (or max_minutes); returns this rank's model, unwrapped."""
+        cfg, d, out = self.cfg, self.d, self.out
+        self.open_log()
+        self.t_start, self.t_cpu = time.time(), time.process_time()
+        if not self.resumed:
+            self.checkpoint()  # step 0: the untrained baseline, and a first resumable checkpoint
+
+        bar = tqdm(total=cfg.max_iters, initial=self.step, desc="train", file=sys.stderr, dynamic_ncols=True,
+                   disable=self.quiet or not d.master, mininterval=1.0)
+        self.train_model.train()
+        self.loss_sum = torch.zeros((), device=self.device)
+        n_logged, t_log, stop_reason = 0, time.time(), "max_iters"
+        deadline = None if cfg.max_minutes is None else self.t_start + cfg.max_minutes * 60
+        last_eval_step = self.step
+        try:
+            while self.step < cfg.max_iters:
+                stop = deadline is not None and time.time() >= deadline
+                if deadline is not None:  # rank 0's clock decides: every rank stops at the same step
+                    stop = d.rank0_decides(stop, self.device)
+                if stop:
+                    stop_reason = "max_minutes"
+                    break
+                lr = self.train_step()
+                n_logged += 1
+                bar.update(1)
+                if self.step % cfg.log_interval == 0 or self.step == cfg.max_iters:
+                    t_log = self.log_train(lr, n_logged, t_log, bar)
+                    n_logged = 0
+                if self.step % cfg.eval_interval == 0 or self.step == cfg.max_iters:
+                    self.checkpoint()
+                    last_eval_step = self.step
+                    t_log = time.time()  # evaluation time is not training throughput
+        except KeyboardInterrupt:
+            bar.close()
+            if d.master:
+                self.metrics.close()
+                print(f"{PROG}: interrupted at step {self.step}; {out / LAST} holds step {last_eval_step} "
+                      f"(continue with --resume)", file=sys.stderr)
+            raise
+        if last_eval_step != self.step:
+            self.checkpoint()
+        bar.close()
+        if d.master:
+            self.metrics.log("end", step=self.step, reason=stop_reason, best_val_loss=self.best_val,
+                             elapsed_s=round(self.elapsed(), 2), cpu_s=round(self.cpu_seconds(), 1),
+                             tokens=self.tokens_seen)
+            self.metrics.close()
+            if not self.quiet:
+                print(f"{PROG}: stopped at step {self.step} ({stop_reason}) after {self.elapsed() / 60:.1f} min "
+                      f"({self.cpu_seconds() / 60:.1f} CPU-min); best val loss "
+                      f"{self.best_val:.4f} ({self.data.bits_per_byte('val', self.best_val):.4f} bits/byte); "
+                      f"checkpoints in {out / LAST} and {out / BEST}", file=sys.stderr)
+        return self.raw_model

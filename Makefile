@@ -36,6 +36,10 @@ lint: install
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/docker-compose -f docker-compose.yml config -q
 	$(VENV)/bin/docker-compose -f docker-compose.yml --profile cpu config -q
+	$(VENV)/bin/docker-compose -f docker-compose.yml --profile replicas config -q
+	$(VENV)/bin/docker-compose -f docker-compose.yml --profile replicas-gpu config -q
+	# Kubernetes manifests against the schemas kubernetes-validate ships (offline); strict: unknown fields fail
+	$(VENV)/bin/kubernetes-validate --strict --quiet -k 1.33.0 deploy/k8s/*.yaml deploy/k8s/examples/*.yaml
 
 serve: install
 	$(PY) -m app --checkpoint $(CHECKPOINT)

@@ -483,6 +483,17 @@ def create_app(settings: Settings | None = None, *, loaded: Loaded | None = None
                     "failed": f"the model is not usable: {service.engine.warmup_error if service.engine else ''}"}
         return JSONResponse({**error_body(messages[status], "unavailable"), "status": status}, status_code=503)
 
+    @app.get("/live", summary="Liveness: 200 while the engine thread runs (also loading/draining); 503 when it died")
+    async def live():
+        # Readiness (/health) says "send me traffic"; liveness only says "restart me": it fails only when the
+        # engine thread has died, which nothing short of a restart fixes. While the model loads (no engine yet)
+        # or the server drains, the process is healthy, so this stays 200.
+        engine = service.engine
+        if engine is not None and not engine.alive:  # (the engine starts right where it is created)
+            return JSONResponse({**error_body("the generation engine thread has stopped; restart the server",
+                                              "unavailable"), "status": "dead"}, status_code=503)
+        return {"status": "alive"}
+
     @app.get("/info", summary="Model, checkpoint, device and limits")
     async def info():
         s = settings

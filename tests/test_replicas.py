@@ -241,3 +241,53 @@ def test_rolling_restart_under_load_loses_no_request(cluster):
     assert not failed, f"{len(failed)} of {len(results)} requests failed, e.g. {failed[0]['error']}"
     work = [r.generated_tokens() for r in replicas]  # the restarted processes: counted since their restart
     assert all(w > 0 for w in work), f"a restarted replica got no work: {work}"
+
+
+def test_a_replica_killed_mid_load_fails_only_its_streams(cluster):
+    """SIGKILL of one replica under load: the streams it was serving end with an error at the client (the
+    connection closes mid-stream; nginx cannot replay a stream that started), requests sent afterwards go to
+    the other replicas (connection refused → retried elsewhere, then out of rotation for fail_timeout), and
+    nothing else is lost."""
+    lb, replicas, tmp = cluster
+    victim = replicas[0]
+    kill_at: float | None = None
+
+    async def run():
+        nonlocal kill_at
+        stop = asyncio.Event()
+        results: list[dict] = []
+        limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            async def worker(w: int):
+                i = 0
+                while not stop.is_set():
+                    t0 = time.monotonic()
+                    res = await stream_once(client, lb, seed=w * 10_000 + i, max_new_tokens=48)
+                    res["start"], res["end"] = t0, time.monotonic()
+                    results.append(res)
+                    i += 1
+
+            workers = [asyncio.create_task(worker(w)) for w in range(9)]
+            await asyncio.sleep(2.0)
+            kill_at = time.monotonic()
+            victim.proc.kill()  # SIGKILL: no drain
+            await asyncio.to_thread(victim.proc.wait, 10)
+            await asyncio.sleep(8.0)  # past nginx's fail_timeout (5 s)
+            stop.set()
+            await asyncio.gather(*workers)
+        return results
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        victim.start()  # leave the cluster whole for whatever runs next
+        victim.wait_ready()
+    failed = [r for r in results if not r["ok"]]
+    print(f"\nSIGKILL of one of {len(replicas)} replicas under 9 concurrent streams: {len(results)} requests, "
+          f"{len(failed)} failed (all in flight at the kill)")
+    assert failed, "no stream was in flight on the killed replica: the test did not test anything"
+    for r in failed:
+        assert r["start"] < kill_at < r["end"], f"a request that was not in flight at the kill failed: {r['error']}"
+        assert r["end"] - kill_at < 10, "a broken stream took too long to end at the client"
+    after = [r for r in results if r["start"] > kill_at]
+    assert len(after) >= 10 and all(r["ok"] for r in after)

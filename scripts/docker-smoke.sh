@@ -9,6 +9,15 @@
 #      and that Prometheus reports the app target "up" (and Grafana, when running, is healthy and has
 #      the provisioned dashboard);
 #   4. always tears the stack down again (containers, network, the smoke project's volumes).
+# Optional replicas stage (--replicas: after the steps above; --replicas-only: instead of 2.-3.):
+#   5. brings up the compose profile `replicas` as project "gpt-smoke-replicas": nginx balancer `lb` in front
+#      of 3 CPU replicas app-1..3 (same gpt-serve:cpu image) + Prometheus with
+#      PROMETHEUS_CONFIG=./deploy/replicas/prometheus.yml;
+#   6. waits (bounded) for all three replicas to be healthy and for the balancer to answer (GET /nginx-health
+#      and GET /health through it), checks POST /generate and POST /generate_stream (complete SSE stream)
+#      through the balancer's published port 127.0.0.1:$LB_PORT, and that Prometheus reports all three
+#      replica targets (job gpt-serve, replica app-1/app-2/app-3) up;
+#   7. tears that stack down too (docker compose down -v for project gpt-smoke-replicas).
 # Exits non-zero on any failure. Needs: docker (engine + CLI), docker compose v2 or docker-compose
 # v1.28+, curl, python3. Without Docker Hub, run scripts/docker-standin.sh once first.
 #
@@ -23,7 +32,32 @@
 #   SMOKE_SKIP_BUILD=1     reuse an existing gpt-serve:cpu image
 #   COMPOSE                compose command to use, e.g. "docker-compose" (default: docker compose v2 if
 #                          present, else docker-compose)
+#   SMOKE_REPLICAS         1 = same as --replicas, only = same as --replicas-only (default: unset, no replicas stage)
+#   SMOKE_LB_PORT          host port of the balancer in the replicas stage (default: $LB_PORT, else 8080)
+#   SMOKE_REPLICAS_HEALTH_TIMEOUT  seconds to wait for the three replicas to be healthy (default: 2x SMOKE_HEALTH_TIMEOUT)
+#   NGINX_IMAGE            balancer image (default nginx:1.27-alpine; scripts/docker-standin.sh builds a stand-in)
+#   REPLICA_TORCH_THREADS  CPU threads per replica (compose default 2)
+#
+# Usage: scripts/docker-smoke.sh [--replicas | --replicas-only]
 set -euo pipefail
+
+usage() { sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'; }
+run_default=1
+run_replicas=0
+case "${SMOKE_REPLICAS:-}" in
+    "" | 0) ;;
+    1) run_replicas=1 ;;
+    only) run_default=0; run_replicas=1 ;;
+    *) echo "SMOKE_REPLICAS must be 1 or only, not '${SMOKE_REPLICAS}'" >&2; exit 2 ;;
+esac
+for arg in "$@"; do
+    case "$arg" in
+        --replicas) run_replicas=1 ;;
+        --replicas-only) run_default=0; run_replicas=1 ;;
+        -h | --help) usage; exit 0 ;;
+        *) echo "unknown argument: $arg (see --help)" >&2; exit 2 ;;
+    esac
+done
 
 start_ts=$SECONDS
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -36,21 +70,27 @@ SMOKE_PYPI_INDEX=${SMOKE_PYPI_INDEX:-https://pypi.org/simple}
 HEALTH_TIMEOUT=${SMOKE_HEALTH_TIMEOUT:-240}
 IMAGE=gpt-serve:cpu
 PROJECT=gpt-smoke
+REPLICAS_PROJECT=gpt-smoke-replicas
+REPLICAS_HEALTH_TIMEOUT=${SMOKE_REPLICAS_HEALTH_TIMEOUT:-$((2 * HEALTH_TIMEOUT))}
+REPLICAS=(app-1 app-2 app-3)
 
 # Published ports: loopback only.
 export BIND_ADDR=127.0.0.1
 export APP_PORT=${SMOKE_APP_PORT:-8000}
 export PROMETHEUS_PORT=${SMOKE_PROMETHEUS_PORT:-9090}
 export GRAFANA_PORT=${SMOKE_GRAFANA_PORT:-3000}
+export LB_PORT=${SMOKE_LB_PORT:-${LB_PORT:-8080}}
 # The smoke requests send no credentials: make sure the container does not get an API key.
 unset GPT_API_KEY GPT_CHECKPOINT GPT_DEVICE GPT_DTYPE || true
 PROMETHEUS_IMAGE=${PROMETHEUS_IMAGE:-prom/prometheus:latest}
 GRAFANA_IMAGE=${GRAFANA_IMAGE:-grafana/grafana:latest}
-export PROMETHEUS_IMAGE GRAFANA_IMAGE
+NGINX_IMAGE=${NGINX_IMAGE:-nginx:1.27-alpine}
+export PROMETHEUS_IMAGE GRAFANA_IMAGE NGINX_IMAGE
 
 APP_URL="http://127.0.0.1:${APP_PORT}"
 PROM_URL="http://127.0.0.1:${PROMETHEUS_PORT}"
 GRAFANA_URL="http://127.0.0.1:${GRAFANA_PORT}"
+LB_URL="http://127.0.0.1:${LB_PORT}"
 
 # ---------------------------------------------------------------- preflight
 command -v docker >/dev/null || fail "docker CLI not found"
@@ -68,43 +108,80 @@ else
     fail "neither 'docker compose' nor 'docker-compose' is available"
 fi
 compose() { "${compose_cmd[@]}" -p "$PROJECT" -f docker-compose.yml --profile cpu "$@"; }
+compose_replicas() {
+    PROMETHEUS_CONFIG=./deploy/replicas/prometheus.yml \
+        "${compose_cmd[@]}" -p "$REPLICAS_PROJECT" -f docker-compose.yml --profile replicas "$@"
+}
 log "compose: ${compose_cmd[*]} ($("${compose_cmd[@]}" version 2>/dev/null | head -n1))"
 
 port_in_use() { python3 -c 'import socket,sys; s=socket.socket(); s.settimeout(1); sys.exit(0 if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 else 1)' "$1"; }
-for p in "$APP_PORT" "$PROMETHEUS_PORT"; do
-    if port_in_use "$p"; then fail "127.0.0.1:$p is already in use (pick another with SMOKE_APP_PORT / SMOKE_PROMETHEUS_PORT)"; fi
-done
+if [[ "$run_default" == 1 ]]; then
+    for p in "$APP_PORT" "$PROMETHEUS_PORT"; do
+        if port_in_use "$p"; then fail "127.0.0.1:$p is already in use (pick another with SMOKE_APP_PORT / SMOKE_PROMETHEUS_PORT)"; fi
+    done
+fi
+if [[ "$run_replicas" == 1 ]]; then
+    # (Prometheus's port is checked again when the stage starts: the default stage uses it until its teardown.)
+    for p in "$LB_PORT" "$PROMETHEUS_PORT"; do
+        if port_in_use "$p"; then fail "127.0.0.1:$p is already in use (pick another with SMOKE_LB_PORT / SMOKE_PROMETHEUS_PORT)"; fi
+    done
+    docker image inspect "$NGINX_IMAGE" >/dev/null 2>&1 \
+        || fail "image $NGINX_IMAGE not found locally (no registry here? run scripts/docker-standin.sh)"
+fi
 
 docker image inspect "$PROMETHEUS_IMAGE" >/dev/null 2>&1 \
     || fail "image $PROMETHEUS_IMAGE not found locally (no registry here? run scripts/docker-standin.sh)"
 services=(app-cpu prometheus)
 with_grafana=0
-if docker image inspect "$GRAFANA_IMAGE" >/dev/null 2>&1; then
-    if port_in_use "$GRAFANA_PORT"; then fail "127.0.0.1:$GRAFANA_PORT is already in use (SMOKE_GRAFANA_PORT)"; fi
-    services+=(grafana)
-    with_grafana=1
-else
-    log "SKIP grafana: image $GRAFANA_IMAGE is not available locally"
+if [[ "$run_default" == 1 ]]; then
+    if docker image inspect "$GRAFANA_IMAGE" >/dev/null 2>&1; then
+        if port_in_use "$GRAFANA_PORT"; then fail "127.0.0.1:$GRAFANA_PORT is already in use (SMOKE_GRAFANA_PORT)"; fi
+        services+=(grafana)
+        with_grafana=1
+    else
+        log "SKIP grafana: image $GRAFANA_IMAGE is not available locally"
+    fi
 fi
 
 tmp=$(mktemp -d)
 wheel_pid=""
 stack_started=0
+replicas_started=0
+# Tears down the default stack (only when this run started it); on failure shows its status and logs first.
+teardown_default() {
+    local rc=$1
+    [[ "$stack_started" == 1 ]] || return 0
+    if [[ "$rc" != 0 ]]; then
+        log "--- container status ---"
+        compose ps
+        log "--- last log lines ---"
+        compose logs --no-color --tail=80
+    fi
+    log "tearing down the stack"
+    compose down -v --remove-orphans --timeout 30 >"$tmp/down.log" 2>&1 \
+        || { cat "$tmp/down.log"; log "WARNING: compose down failed"; return 1; }
+    stack_started=0
+}
+teardown_replicas() {
+    local rc=$1
+    [[ "$replicas_started" == 1 ]] || return 0
+    if [[ "$rc" != 0 ]]; then
+        log "--- replicas: container status ---"
+        compose_replicas ps
+        log "--- replicas: last log lines ---"
+        compose_replicas logs --no-color --tail=40
+    fi
+    log "tearing down the replicas stack"
+    compose_replicas down -v --remove-orphans --timeout 30 >"$tmp/down-replicas.log" 2>&1 \
+        || { cat "$tmp/down-replicas.log"; log "WARNING: compose down (replicas) failed"; return 1; }
+    replicas_started=0
+}
 cleanup() {
     local rc=$?
     set +e
     if [[ -n "$wheel_pid" ]]; then kill "$wheel_pid" 2>/dev/null; wait "$wheel_pid" 2>/dev/null; fi
-    if [[ "$stack_started" == 1 ]]; then
-        if [[ "$rc" != 0 ]]; then
-            log "--- container status ---"
-            compose ps
-            log "--- last log lines ---"
-            compose logs --no-color --tail=80
-        fi
-        log "tearing down the stack"
-        compose down -v --remove-orphans --timeout 30 >"$tmp/down.log" 2>&1 \
-            || { cat "$tmp/down.log"; log "WARNING: compose down failed"; }
-    fi
+    teardown_default "$rc"
+    teardown_replicas "$rc"
     rm -rf "$tmp"
     if [[ "$rc" == 0 ]]; then
         log "PASSED in $((SECONDS - start_ts))s"
@@ -164,59 +241,176 @@ else
     if [[ -n "$wheel_pid" ]]; then kill "$wheel_pid" 2>/dev/null || true; wait "$wheel_pid" 2>/dev/null || true; wheel_pid=""; fi
 fi
 
-# ---------------------------------------------------------------- up
-log "starting: ${services[*]}"
-stack_started=1
-compose up -d --no-build "${services[@]}"
-
-cid=$(compose ps -q app-cpu)
-[[ -n "$cid" ]] || fail "no container for service app-cpu"
-
-log "waiting up to ${HEALTH_TIMEOUT}s for app-cpu to become healthy"
-deadline=$((SECONDS + HEALTH_TIMEOUT))
-while :; do
-    info=$(docker inspect -f '{{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}} {{.RestartCount}}' "$cid" 2>/dev/null) \
-        || fail "app-cpu container $cid disappeared"
-    read -r state health restarts <<<"$info"
-    if [[ "$state" == running && "$health" == healthy ]]; then break; fi
-    if [[ "$state" == exited || "$state" == dead || "$restarts" != 0 ]]; then
-        fail "app-cpu container stopped (state=$state, restarts=$restarts) before becoming healthy"
-    fi
-    if [[ "$health" == unhealthy ]]; then fail "app-cpu is unhealthy (GET /health inside the container failed)"; fi
-    if ((SECONDS >= deadline)); then
-        fail "app-cpu not healthy after ${HEALTH_TIMEOUT}s (state=$state health=$health)"
-    fi
-    sleep 2
-done
-log "app-cpu is healthy"
-curl -fsS --max-time 10 "$APP_URL/health" >/dev/null || fail "GET $APP_URL/health failed through the published port"
-
-# ---------------------------------------------------------------- API checks
+# ---------------------------------------------------------------- check helpers (both stages)
 payload='{"inputs":"ROMEO:","parameters":{"max_new_tokens":20}}'
 
-log "POST /generate"
-curl -sS --max-time 120 -o "$tmp/generate.json" -w '%{http_code}' \
-    -H 'Content-Type: application/json' -d "$payload" "$APP_URL/generate" >"$tmp/generate.code" \
-    || fail "POST /generate: request failed"
-code=$(cat "$tmp/generate.code")
-[[ "$code" == 200 ]] || fail "POST /generate: HTTP $code: $(head -c 500 "$tmp/generate.json")"
-python3 - "$tmp/generate.json" <<'EOF' || fail "POST /generate: unexpected answer: $(head -c 500 "$tmp/generate.json")"
+# wait_healthy TIMEOUT COMPOSE_FN SERVICE...: waits until every service's container is running and healthy;
+# fails at once when one exits, restarts or turns unhealthy, or when TIMEOUT seconds pass.
+wait_healthy() {
+    local timeout=$1 fn=$2 svc cid info state health restarts deadline pending
+    shift 2
+    local -A cids=()
+    for svc in "$@"; do
+        cid=$("$fn" ps -q "$svc")
+        [[ -n "$cid" ]] || fail "no container for service $svc"
+        cids[$svc]=$cid
+    done
+    deadline=$((SECONDS + timeout))
+    while :; do
+        pending=()
+        for svc in "$@"; do
+            cid=${cids[$svc]}
+            info=$(docker inspect -f '{{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}} {{.RestartCount}}' "$cid" 2>/dev/null) \
+                || fail "$svc container $cid disappeared"
+            read -r state health restarts <<<"$info"
+            if [[ "$state" == running && "$health" == healthy ]]; then continue; fi
+            if [[ "$state" == exited || "$state" == dead || "$restarts" != 0 ]]; then
+                fail "$svc container stopped (state=$state, restarts=$restarts) before becoming healthy"
+            fi
+            if [[ "$health" == unhealthy ]]; then fail "$svc is unhealthy (GET /health inside the container failed)"; fi
+            pending+=("$svc(state=$state health=$health)")
+        done
+        ((${#pending[@]} == 0)) && return 0
+        if ((SECONDS >= deadline)); then
+            fail "not healthy after ${timeout}s: ${pending[*]}"
+        fi
+        sleep 2
+    done
+}
+
+# check_generate BASE_URL: POST /generate answers 200 with a non-empty generated_text.
+check_generate() {
+    local base=$1 code
+    log "POST /generate"
+    curl -sS --max-time 120 -o "$tmp/generate.json" -w '%{http_code}' \
+        -H 'Content-Type: application/json' -d "$payload" "$base/generate" >"$tmp/generate.code" \
+        || fail "POST /generate: request failed"
+    code=$(cat "$tmp/generate.code")
+    [[ "$code" == 200 ]] || fail "POST /generate: HTTP $code: $(head -c 500 "$tmp/generate.json")"
+    python3 - "$tmp/generate.json" <<'EOF' || fail "POST /generate: unexpected answer: $(head -c 500 "$tmp/generate.json")"
 import json, sys
 d = json.load(open(sys.argv[1]))
 text = d["generated_text"]
 assert isinstance(text, str) and text, "generated_text empty or not a string"
 print("  generated_text:", repr(text[:120]))
 EOF
+}
 
-log "POST /generate_stream"
-curl -sS -N --max-time 120 -o "$tmp/stream.txt" -w '%{http_code}' \
-    -H 'Content-Type: application/json' -H 'Accept: text/event-stream' -d "$payload" \
-    "$APP_URL/generate_stream" >"$tmp/stream.code" || fail "POST /generate_stream: request failed"
-code=$(cat "$tmp/stream.code")
-[[ "$code" == 200 ]] || fail "POST /generate_stream: HTTP $code: $(head -c 500 "$tmp/stream.txt")"
-events=$(grep -c '^data:' "$tmp/stream.txt" || true)
-((events > 0)) || fail "POST /generate_stream: no 'data:' events in: $(head -c 500 "$tmp/stream.txt")"
-log "  $events SSE data events; last: $(grep '^data:' "$tmp/stream.txt" | tail -n1 | head -c 200)"
+# check_stream BASE_URL: POST /generate_stream answers 200 with SSE `data:` events.
+check_stream() {
+    local base=$1 code events
+    log "POST /generate_stream"
+    curl -sS -N --max-time 120 -o "$tmp/stream.txt" -w '%{http_code}' \
+        -H 'Content-Type: application/json' -H 'Accept: text/event-stream' -d "$payload" \
+        "$base/generate_stream" >"$tmp/stream.code" || fail "POST /generate_stream: request failed"
+    code=$(cat "$tmp/stream.code")
+    [[ "$code" == 200 ]] || fail "POST /generate_stream: HTTP $code: $(head -c 500 "$tmp/stream.txt")"
+    events=$(grep -c '^data:' "$tmp/stream.txt" || true)
+    ((events > 0)) || fail "POST /generate_stream: no 'data:' events in: $(head -c 500 "$tmp/stream.txt")"
+    log "  $events SSE data events; last: $(grep '^data:' "$tmp/stream.txt" | tail -n1 | head -c 200)"
+}
+
+# ---------------------------------------------------------------- replicas stage (optional)
+# Profile `replicas`: lb (nginx) + app-1..3 (CPU) + Prometheus scraping each replica, as its own compose project.
+replicas_stage() {
+    local stage_start=$SECONDS deadline
+    log "=== replicas stage: lb + ${REPLICAS[*]} + prometheus (project $REPLICAS_PROJECT, balancer on $LB_URL)"
+    for p in "$LB_PORT" "$PROMETHEUS_PORT"; do
+        if port_in_use "$p"; then fail "127.0.0.1:$p is already in use (pick another with SMOKE_LB_PORT / SMOKE_PROMETHEUS_PORT)"; fi
+    done
+    replicas_started=1
+    compose_replicas up -d --no-build lb prometheus
+
+    log "waiting up to ${REPLICAS_HEALTH_TIMEOUT}s for ${REPLICAS[*]} and lb to become healthy"
+    wait_healthy "$REPLICAS_HEALTH_TIMEOUT" compose_replicas "${REPLICAS[@]}" lb
+    log "${REPLICAS[*]} and lb are healthy ($((SECONDS - stage_start))s after up)"
+
+    # The balancer itself, then a replica's readiness through it.
+    deadline=$((SECONDS + 60))
+    until curl -fsS --max-time 5 "$LB_URL/nginx-health" -o /dev/null 2>/dev/null \
+        && curl -fsS --max-time 10 "$LB_URL/health" -o /dev/null 2>/dev/null; do
+        ((SECONDS < deadline)) || fail "balancer on $LB_URL does not answer GET /nginx-health and GET /health"
+        sleep 2
+    done
+    log "balancer answers on $LB_URL (GET /nginx-health, GET /health through it)"
+
+    check_generate "$LB_URL"
+    check_stream "$LB_URL"
+    # Through the balancer the stream must arrive whole: the last token event carries the generated text.
+    python3 - "$tmp/stream.txt" <<'EOF' || fail "POST /generate_stream through the balancer: stream incomplete: $(tail -c 500 "$tmp/stream.txt")"
+import json, sys
+events = [line[5:].strip() for line in open(sys.argv[1]) if line.startswith("data:")]
+events = [json.loads(e) for e in events if e and e != "[DONE]"]
+assert events, "no JSON events"
+assert not any("error" in e for e in events), "error event in the stream"
+last = events[-1]
+assert isinstance(last.get("generated_text"), str) and last["generated_text"], "last event has no generated_text"
+print("  stream complete:", len(events), "token events; generated_text:", repr(last["generated_text"][:80]))
+EOF
+
+    # A few more requests, so that every replica serves some (least_conn spreads idle ties round-robin).
+    local i
+    for i in 1 2 3 4 5 6; do
+        curl -fsS --max-time 120 -o /dev/null -H 'Content-Type: application/json' \
+            -d '{"inputs":"JULIET:","parameters":{"max_new_tokens":4}}' "$LB_URL/generate" \
+            || fail "POST /generate #$i through the balancer failed"
+    done
+    local upstreams
+    upstreams=$(compose_replicas logs --no-color lb 2>/dev/null | grep -o 'upstream=[0-9.]*:8000' | sort | uniq -c | awk '{printf " %s=%s", substr($2, 10), $1}')
+    log "  lb access log, requests per upstream:${upstreams:- (none found)}"
+
+    log "waiting for Prometheus to scrape all replicas (job gpt-serve, ${REPLICAS[*]} up)"
+    deadline=$((SECONDS + 90))
+    while :; do
+        if curl -fsS --max-time 5 "$PROM_URL/api/v1/targets" -o "$tmp/targets.json" 2>/dev/null \
+            && python3 - "$tmp/targets.json" "${REPLICAS[@]}" <<'EOF'; then break; fi
+import json, sys
+want = set(sys.argv[2:])
+targets = json.load(open(sys.argv[1]))["data"]["activeTargets"]
+up = {t["labels"].get("replica") for t in targets
+      if t["labels"].get("job") == "gpt-serve" and t["health"] == "up"}
+sys.exit(0 if want <= up else 1)
+EOF
+        if ((SECONDS >= deadline)); then
+            fail "Prometheus does not report all replica targets up: $(head -c 1200 "$tmp/targets.json" 2>/dev/null)"
+        fi
+        sleep 3
+    done
+    python3 - "$tmp/targets.json" <<'EOF'
+import json, sys
+for t in json.load(open(sys.argv[1]))["data"]["activeTargets"]:
+    if t["labels"].get("job") == "gpt-serve":
+        print(f"  target {t['labels'].get('replica')} ({t['scrapeUrl']}): {t['health']}")
+EOF
+    log "Prometheus: all ${#REPLICAS[@]} replica targets are up"
+    if curl -fsS --max-time 5 "$PROM_URL/api/v1/query" --data-urlencode 'query=sum by (replica) (gpt_generated_tokens_total)' \
+        -o "$tmp/query.json"; then
+        log "  gpt_generated_tokens_total by replica (latest scrape): $(python3 -c 'import json,sys; print(", ".join(r["metric"].get("replica","?") + "=" + r["value"][1] for r in json.load(open(sys.argv[1]))["data"]["result"]))' "$tmp/query.json" 2>/dev/null || head -c 300 "$tmp/query.json")"
+    fi
+
+    teardown_replicas 0 || fail "could not tear down the replicas stack"
+    log "=== replicas stage passed in $((SECONDS - stage_start))s"
+}
+
+if [[ "$run_default" == 0 ]]; then
+    replicas_stage
+    log "all checks passed"
+    exit 0
+fi
+
+# ---------------------------------------------------------------- up
+log "starting: ${services[*]}"
+stack_started=1
+compose up -d --no-build "${services[@]}"
+
+log "waiting up to ${HEALTH_TIMEOUT}s for app-cpu to become healthy"
+wait_healthy "$HEALTH_TIMEOUT" compose app-cpu
+log "app-cpu is healthy"
+curl -fsS --max-time 10 "$APP_URL/health" >/dev/null || fail "GET $APP_URL/health failed through the published port"
+
+# ---------------------------------------------------------------- API checks
+check_generate "$APP_URL"
+check_stream "$APP_URL"
 
 # ---------------------------------------------------------------- Prometheus
 log "waiting for Prometheus to scrape the app (job gpt-serve, health up)"
@@ -253,6 +447,13 @@ if [[ "$with_grafana" == 1 ]]; then
         || fail "Grafana dashboard search failed"
     grep -q '"uid":"gpt-serve"' "$tmp/search.json" || fail "Grafana: dashboard gpt-serve not provisioned: $(head -c 500 "$tmp/search.json")"
     log "Grafana: healthy, dashboard gpt-serve provisioned"
+fi
+
+
+if [[ "$run_replicas" == 1 ]]; then
+    # One stack at a time: both publish Prometheus's port.
+    teardown_default 0 || fail "could not tear down the default stack before the replicas stage"
+    replicas_stage
 fi
 
 log "all checks passed"

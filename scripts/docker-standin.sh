@@ -16,6 +16,9 @@
 #   * localhost/standin-debian:bookworm   the same rootfs, used as base of the stand-ins below.
 #   * prom/prometheus:latest STAND-IN: Debian's prometheus package (2.42) laid out like the upstream
 #                           image (/bin/prometheus entrypoint, user nobody, /prometheus volume).
+#   * nginx:1.27-alpine     STAND-IN (the compose default NGINX_IMAGE, used by the `replicas` profiles'
+#                           balancer): Debian's nginx package (1.22) + wget (the compose healthcheck uses it),
+#                           config at /etc/nginx/nginx.conf, `nginx -g 'daemon off;'` like the upstream image.
 #   * grafana/grafana       NOT available: Grafana is not packaged by Debian and its own apt/Docker
 #                           repositories are not reachable here; scripts/docker-smoke.sh skips it.
 #
@@ -115,6 +118,27 @@ CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prome
 EOF
 fi
 docker run --rm prom/prometheus:latest --version | head -n1
+
+# ---------------------------------------------------------------- nginx stand-in (replicas balancer)
+NGINX_IMAGE=${NGINX_IMAGE:-nginx:1.27-alpine}
+if [[ "$FORCE" == 1 ]] || ! docker image inspect "$NGINX_IMAGE" >/dev/null 2>&1; then
+    log "building $NGINX_IMAGE from Debian's nginx package"
+    docker build -t "$NGINX_IMAGE" - <<'EOF'
+# LOCAL STAND-IN for nginx:1.27-alpine (Debian's nginx package); not the real image.
+FROM localhost/standin-debian:bookworm
+RUN printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d \
+ && apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nginx wget \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb \
+ && rm -f /etc/nginx/sites-enabled/default \
+ && ln -sf /dev/stdout /var/log/nginx/access.log && ln -sf /dev/stderr /var/log/nginx/error.log
+LABEL org.opencontainers.image.description="LOCAL STAND-IN for nginx:1.27-alpine (Debian nginx package)"
+EXPOSE 80
+STOPSIGNAL SIGQUIT
+CMD ["nginx", "-g", "daemon off;"]
+EOF
+fi
+docker run --rm "$NGINX_IMAGE" nginx -v
 
 # ---------------------------------------------------------------- grafana/grafana
 if docker image inspect grafana/grafana:latest >/dev/null 2>&1; then

@@ -118,7 +118,10 @@ def default_max_batch_size(n_layer: int, n_embd: int, block_size: int, device: t
     if device.type != "cuda":
         return CPU_DEFAULT_BATCH
     free, _total = torch.cuda.mem_get_info(device)
-    per_slot = 2 * n_layer * block_size * n_embd * torch.empty((), dtype=dtype).element_size() + 4 * 1024 * 1024
+    kv = 2 * n_layer * block_size * n_embd * torch.empty((), dtype=dtype).element_size()
+    # the sampler's rows (three fp32 vocabulary-wide workspaces and its seen-token set: ~0.7 MB for GPT-2's
+    # 50k vocabulary) and the logits of a step: a 4 MiB allowance per slot covers vocabularies up to ~200k
+    per_slot = kv + 4 * 1024 * 1024
     return max(8, min(256, int(free * memory_fraction) // per_slot))
 
 

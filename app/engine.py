@@ -311,15 +311,11 @@ class Engine:
         t0 = time.perf_counter()
         n = self.max_batch_size
         try:
-            if self.cache.max_len >= 3:
+            if self.cache.max_len >= 3:  # a 2-token prefill of every slot at once, then a sampled decode step
                 for s in range(n):
-                    self.sampler.admit(s, SamplingParams(temperature=1.0, top_p=0.9), [0], seed=s)
-                logits = self.model.forward_cached(torch.zeros(1, 2, dtype=torch.long, device=self.device),
-                                                   self.cache, [0])
-                self.sampler.step(logits[None] if logits.dim() == 1 else logits, [0])
-                for s in range(1, n):
-                    self.cache.lengths[s] = self.cache.lengths[0]
-                self.cache.lengths_t[:] = self.cache.lengths[0]
+                    self.sampler.admit(s, SamplingParams(temperature=1.0, top_p=0.9), [0, 0], seed=s)
+                logits = self.model.forward_cached(self.sampler.history[:n, :2], self.cache, range(n))
+                self.sampler.step(logits, range(n))
                 logits = decode_step(self.model, self.cache, range(n), self.sampler.last[:n])
                 self.sampler.step(logits, range(n))
                 if self.cuda_graphs:
@@ -372,8 +368,7 @@ class Engine:
             r = self._waiting.popleft()
             r.slot = self._free.pop(0)
             self.cache.reset(r.slot)
-            self.sampler.admit(r.slot, r.seq.params, r.prompt, seed=r.seq.seed)
-            self.sampler.set_top_n(r.slot, r.top_n)
+            self.sampler.admit(r.slot, r.seq.params, r.prompt, seed=r.seq.seed, top_n=r.top_n)
             r.prefilled = 0
             self._prefilling.append(r)
             if self.metrics:

@@ -181,14 +181,15 @@ def sampler_alone(batches: list[int], calls: int, vocab: int = CONFIG["vocab_siz
 
     def ours(B: int, kw: dict[str, Any]):
         s = Sampler(B, vocab, calls + 32)
-        for i in range(B):
-            s.admit(i, SamplingParams(seed=i, **kw), [1, 2, 3])
+        done = [calls + 29]  # steps since admission: the token history must stay inside its calls + 32 positions
 
         def call():
-            if int(s.length[0]) >= calls + 30:  # keep the token history inside its preallocated length
+            if done[0] >= calls + 29:
                 for i in range(B):
                     s.admit(i, SamplingParams(seed=i, **kw), [1, 2, 3])
+                done[0] = 0
             s.step(logits[B], range(B))
+            done[0] += 1
         return call
 
     def baseline(B: int, kw: dict[str, Any]):

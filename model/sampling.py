@@ -204,10 +204,12 @@ class Sampler:
         self.read_backs = 0  # device→host copies made (tests count them)
 
     # ------------------------------------------------------------------ slots
-    def admit(self, slot: int, params: SamplingParams, prompt: list[int], seed: int | None = None) -> int:
+    def admit(self, slot: int, params: SamplingParams, prompt: list[int], seed: int | None = None,
+              top_n: int = 0) -> int:
         """Write a request's parameters and prompt into `slot`; returns the seed used.
 
         The seed is `seed`, else `params.seed`, else a random one (reported so the result can be reproduced).
+        `top_n`: also report the top_n most likely tokens at every step (logprobs alternatives).
         """
         n = len(prompt)
         if seed is None:
@@ -234,16 +236,9 @@ class Sampler:
             greedy=greedy, top_k=top_k, top_p=not greedy and params.top_p < 1.0,
             repetition=params.repetition_penalty != 1.0,
             presence_frequency=params.presence_penalty != 0.0 or params.frequency_penalty != 0.0,
-            unit_temperature=greedy or params.temperature == 1.0, top_n=0)
+            unit_temperature=greedy or params.temperature == 1.0, top_n=top_n)
         self._plans.clear()
         return seed
-
-    def set_top_n(self, slot: int, top_n: int) -> None:
-        """Ask for the top_n most likely tokens of this slot at every step (logprobs alternatives)."""
-        k = self._kinds[slot]
-        if k is not None and k.top_n != top_n:
-            self._kinds[slot] = _Kind(**{**k.__dict__, "top_n": top_n})
-            self._plans.clear()
 
     def release(self, slot: int) -> None:
         self._kinds[slot] = None
@@ -278,9 +273,8 @@ class Sampler:
             parts.append(accepted.double()[:, None])
         if top_ids is not None:
             parts += [top_ids.double(), top_lp.double()]
-        host = torch.cat(parts, 1).tolist()  # the one device→host copy of the step
+        rows = torch.cat(parts, 1).tolist()  # the one device→host copy of the step
         self.read_backs += 1
-        rows = host
         if accepted is not None and not all(r[2] for r in rows):
             rejected = [i for i, r in enumerate(rows) if not r[2]]
             fixed = self._redraw_top_p(rejected, token, plan, ctx)
@@ -541,17 +535,4 @@ class Sampler:
         self.seen[r, token] = True
         self.length[rows] += 1
         self.last[rows] = token
-
-
-def uniform_reference(seed: int, position: int, stream: int, ids: list[int]) -> list[float]:
-    """The uniforms behind `gumbel` for one row, in plain Python (tests compare against it)."""
-    def mix(x: int) -> int:
-        x = (((x >> 16) ^ x) * _MUL) & _M32
-        x = (((x >> 16) ^ x) * _MUL) & _M32
-        return (x >> 16) ^ x
-
-    h = mix(mix(seed & _M32) ^ ((seed >> 32) & _M32))
-    h = mix(h ^ (position & _M32))
-    h = mix(h ^ (stream & _M32))
-    return [(mix(mix(h ^ i) ^ (h >> 7)) + 0.5) * 2.0**-32 for i in ids]
 

@@ -147,35 +147,24 @@ tmp=$(mktemp -d)
 wheel_pid=""
 stack_started=0
 replicas_started=0
-# Tears down the default stack (only when this run started it); on failure shows its status and logs first.
-teardown_default() {
-    local rc=$1
-    [[ "$stack_started" == 1 ]] || return 0
+# Tears down one stack (only when this run started it); on failure shows its status and logs first.
+# $1: exit status so far, $2: name of its "started" flag variable, $3: its compose function, $4: label
+teardown_stack() {
+    local rc=$1 flag=$2 cmd=$3 label=$4
+    [[ "${!flag}" == 1 ]] || return 0
     if [[ "$rc" != 0 ]]; then
-        log "--- container status ---"
-        compose ps
-        log "--- last log lines ---"
-        compose logs --no-color --tail=80
+        log "--- $label: container status ---"
+        "$cmd" ps
+        log "--- $label: last log lines ---"
+        "$cmd" logs --no-color --tail=60
     fi
-    log "tearing down the stack"
-    compose down -v --remove-orphans --timeout 30 >"$tmp/down.log" 2>&1 \
-        || { cat "$tmp/down.log"; log "WARNING: compose down failed"; return 1; }
-    stack_started=0
+    log "tearing down the $label stack"
+    "$cmd" down -v --remove-orphans --timeout 30 >"$tmp/down-$label.log" 2>&1 \
+        || { cat "$tmp/down-$label.log"; log "WARNING: compose down ($label) failed"; return 1; }
+    printf -v "$flag" 0
 }
-teardown_replicas() {
-    local rc=$1
-    [[ "$replicas_started" == 1 ]] || return 0
-    if [[ "$rc" != 0 ]]; then
-        log "--- replicas: container status ---"
-        compose_replicas ps
-        log "--- replicas: last log lines ---"
-        compose_replicas logs --no-color --tail=40
-    fi
-    log "tearing down the replicas stack"
-    compose_replicas down -v --remove-orphans --timeout 30 >"$tmp/down-replicas.log" 2>&1 \
-        || { cat "$tmp/down-replicas.log"; log "WARNING: compose down (replicas) failed"; return 1; }
-    replicas_started=0
-}
+teardown_default() { teardown_stack "$1" stack_started compose default; }
+teardown_replicas() { teardown_stack "$1" replicas_started compose_replicas replicas; }
 cleanup() {
     local rc=$?
     set +e
@@ -318,6 +307,7 @@ replicas_stage() {
     for p in "$LB_PORT" "$PROMETHEUS_PORT"; do
         if port_in_use "$p"; then fail "127.0.0.1:$p is already in use (pick another with SMOKE_LB_PORT / SMOKE_PROMETHEUS_PORT)"; fi
     done
+    # shellcheck disable=SC2034  # read through teardown_stack's indirect ${!flag}
     replicas_started=1
     compose_replicas up -d --no-build lb prometheus
 
@@ -400,6 +390,7 @@ fi
 
 # ---------------------------------------------------------------- up
 log "starting: ${services[*]}"
+# shellcheck disable=SC2034  # read through teardown_stack's indirect ${!flag}
 stack_started=1
 compose up -d --no-build "${services[@]}"
 

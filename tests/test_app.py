@@ -442,6 +442,8 @@ def test_health_is_503_while_warming_up_and_requests_wait(tiny_ckpt, monkeypatch
         r = c.get("/health")
         assert_error(r, 503, error_type="unavailable")
         assert r.json()["status"] == "loading"
+        r = c.get("/live")  # liveness stays 200: warming up is healthy, only readiness waits
+        assert r.status_code == 200 and r.json() == {"status": "alive"}
         out = {}
         t = threading.Thread(target=lambda: out.setdefault("r", c.post("/generate", json={
             "inputs": "a", "parameters": {"max_new_tokens": 2}})))
@@ -506,3 +508,37 @@ def test_settings_env_and_cli(monkeypatch):
     monkeypatch.setenv("GPT_PORT", "80")
     with pytest.raises(SettingsError, match="device"):
         load_settings(device="tpu")
+
+
+# ------------------------------------------------------------------------------------------- liveness
+def test_live_is_200_when_ready_and_while_draining(tiny_ckpt):  # noqa: F811
+    with app_client(tiny_ckpt) as c:
+        r = c.get("/live")
+        assert r.status_code == 200 and r.json() == {"status": "alive"}
+        c.app.service.begin_drain()
+        assert c.get("/health").status_code == 503
+        r = c.get("/live")
+        assert r.status_code == 200 and r.json() == {"status": "alive"}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread we end
+def test_live_is_503_when_the_engine_thread_died(tiny_ckpt):  # noqa: F811
+    with app_client(tiny_ckpt) as c:
+        engine = engine_of(c)
+
+        def die():
+            raise SystemExit  # ends the worker thread quietly (threading ignores SystemExit)
+
+        engine._expire_waiting = die  # called at the top of every loop iteration, outside the step's try
+        with engine._cv:
+            engine._cv.notify()
+        end = time.monotonic() + 10
+        while engine.alive and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not engine.alive
+        r = c.get("/live")
+        assert r.status_code == 503, r.text
+        body = r.json()
+        assert body["error_type"] == "unavailable" and "engine" in body["error"] and body["status"] == "dead"
+        assert c.get("/health").status_code == 503  # readiness fails too
+        del engine._expire_waiting  # so the lifespan shutdown's stop() finds nothing odd

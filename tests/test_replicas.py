@@ -166,6 +166,31 @@ async def stream_once(client, url: str, seed: int, max_new_tokens: int = 16) -> 
     return {"status": status, "events": events, "ok": ok, "error": None if ok else (last or status)}
 
 
+async def under_load(lb: str, workers: int, max_new_tokens: int, action) -> list[dict]:
+    """`workers` clients stream requests through the balancer one after another until the coroutine `action()`,
+    run meanwhile, returns; every result carries its start and end time."""
+    stop = asyncio.Event()
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        async def worker(w: int):
+            i = 0
+            while not stop.is_set():
+                t0 = time.monotonic()
+                res = await stream_once(client, lb, seed=w * 10_000 + i, max_new_tokens=max_new_tokens)
+                res["start"], res["end"] = t0, time.monotonic()
+                results.append(res)
+                i += 1
+
+        tasks = [asyncio.create_task(worker(w)) for w in range(workers)]
+        try:
+            await action()
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+    return results
+
+
 def test_48_concurrent_streams_complete_and_reach_every_replica(cluster):
     lb, replicas, tmp = cluster
     before = [r.generated_tokens() for r in replicas]
@@ -194,42 +219,26 @@ def test_rolling_restart_under_load_loses_no_request(cluster):
     retries what a draining (503) or stopped (connection refused) replica refuses, and a draining replica
     finishes what it already streams, so no client sees an error or a truncated stream."""
     lb, replicas, tmp = cluster
-    stop: asyncio.Event | None = None  # created inside the event loop below
     log: list[str] = []
 
-    async def run():
-        nonlocal stop
-        stop = asyncio.Event()
-        results: list[dict] = []
-        limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
-        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-            async def worker(w: int):
-                i = 0
-                while not stop.is_set():
-                    results.append(await stream_once(client, lb, seed=w * 10_000 + i, max_new_tokens=24))
-                    i += 1
-
-            workers = [asyncio.create_task(worker(w)) for w in range(8)]
-            await asyncio.sleep(1.0)
-            for r in replicas:
-                t0 = time.monotonic()
-                rc = await asyncio.to_thread(r.stop, signal.SIGTERM, 30)
-                t1 = time.monotonic()
-                r.start()
-                await asyncio.to_thread(r.wait_ready, 60)
-                log.append(f"replica {r.i}: drained and exited (rc {rc}) in {t1 - t0:.1f} s, "
-                           f"back in {time.monotonic() - t1:.1f} s")
-                assert rc == 0, f"replica {r.i} exited with {rc}"
-                await asyncio.sleep(0.5)
-            # a replica that refused connections while it was down is out of nginx's rotation for fail_timeout
-            # (5 s); keep the load on past that, so the last restarted replica is seen taking work again
-            await asyncio.sleep(6.5)
-            stop.set()
-            await asyncio.gather(*workers)
-        return results
+    async def restart_each_in_turn():
+        await asyncio.sleep(1.0)
+        for r in replicas:
+            t0 = time.monotonic()
+            rc = await asyncio.to_thread(r.stop, signal.SIGTERM, 30)
+            t1 = time.monotonic()
+            r.start()
+            await asyncio.to_thread(r.wait_ready, 60)
+            log.append(f"replica {r.i}: drained and exited (rc {rc}) in {t1 - t0:.1f} s, "
+                       f"back in {time.monotonic() - t1:.1f} s")
+            assert rc == 0, f"replica {r.i} exited with {rc}"
+            await asyncio.sleep(0.5)
+        # a replica that refused connections while it was down is out of nginx's rotation for fail_timeout
+        # (5 s); keep the load on past that, so the last restarted replica is seen taking work again
+        await asyncio.sleep(6.5)
 
     t0 = time.monotonic()
-    results = asyncio.run(run())
+    results = asyncio.run(under_load(lb, 8, 24, restart_each_in_turn))
     took = time.monotonic() - t0
     failed = [r for r in results if not r["ok"]]
     access = (tmp / "access.log").read_text().splitlines()
@@ -252,33 +261,16 @@ def test_a_replica_killed_mid_load_fails_only_its_streams(cluster):
     victim = replicas[0]
     kill_at: float | None = None
 
-    async def run():
+    async def kill_one():
         nonlocal kill_at
-        stop = asyncio.Event()
-        results: list[dict] = []
-        limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
-        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-            async def worker(w: int):
-                i = 0
-                while not stop.is_set():
-                    t0 = time.monotonic()
-                    res = await stream_once(client, lb, seed=w * 10_000 + i, max_new_tokens=48)
-                    res["start"], res["end"] = t0, time.monotonic()
-                    results.append(res)
-                    i += 1
-
-            workers = [asyncio.create_task(worker(w)) for w in range(9)]
-            await asyncio.sleep(2.0)
-            kill_at = time.monotonic()
-            victim.proc.kill()  # SIGKILL: no drain
-            await asyncio.to_thread(victim.proc.wait, 10)
-            await asyncio.sleep(8.0)  # past nginx's fail_timeout (5 s)
-            stop.set()
-            await asyncio.gather(*workers)
-        return results
+        await asyncio.sleep(2.0)
+        kill_at = time.monotonic()
+        victim.proc.kill()  # SIGKILL: no drain
+        await asyncio.to_thread(victim.proc.wait, 10)
+        await asyncio.sleep(8.0)  # past nginx's fail_timeout (5 s)
 
     try:
-        results = asyncio.run(run())
+        results = asyncio.run(under_load(lb, 9, 48, kill_one))
     finally:
         victim.start()  # leave the cluster whole for whatever runs next
         victim.wait_ready()

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from model.sampling import Sampler, SamplingParams, gumbel, row_keys, seed_keys, uniform_reference
+from model.sampling import _M32, _MUL, Sampler, SamplingParams, gumbel, row_keys, seed_keys
 
 PROBS = torch.tensor([0.3, 0.2, 0.1, 0.1, 0.08, 0.07, 0.05, 0.04, 0.03, 0.01, 0.01, 0.005, 0.005])
 
@@ -58,6 +58,19 @@ def top_k_filter(probs: torch.Tensor, k: int) -> torch.Tensor:
     idx = probs.topk(k).indices
     out[idx] = probs[idx]
     return out / out.sum()
+
+
+def uniform_reference(seed: int, position: int, stream: int, ids: list[int]) -> list[float]:
+    """The uniforms behind `gumbel` for one row, in plain Python (tests compare against it)."""
+    def mix(x: int) -> int:
+        x = (((x >> 16) ^ x) * _MUL) & _M32
+        x = (((x >> 16) ^ x) * _MUL) & _M32
+        return (x >> 16) ^ x
+
+    h = mix(mix(seed & _M32) ^ ((seed >> 32) & _M32))
+    h = mix(h ^ (position & _M32))
+    h = mix(h ^ (stream & _M32))
+    return [(mix(mix(h ^ i) ^ (h >> 7)) + 0.5) * 2.0**-32 for i in ids]
 
 
 def test_noise_is_a_pure_function_of_seed_position_and_token():
@@ -218,8 +231,7 @@ def test_top_n_alternatives_are_the_most_likely_raw_tokens():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5))
     s = Sampler(3, V, 4, block_size=64)
     for i in range(3):
-        s.admit(i, SamplingParams(temperature=0.5, top_k=40, seed=i), [1])
-        s.set_top_n(i, 4)
+        s.admit(i, SamplingParams(temperature=0.5, top_k=40, seed=i), [1], top_n=4)
     ref = torch.log_softmax(logits, -1).topk(4, -1)
     for row, d in enumerate(s.step(logits, range(3))):
         assert [t for t, _ in d.top] == ref.indices[row].tolist()
@@ -257,8 +269,7 @@ def test_a_step_reads_back_once(params):
     V, B = 5000, 6
     s = Sampler(B, V, 20)
     for i in range(B):
-        s.admit(i, SamplingParams(**params), [1, 2], seed=i)
-        s.set_top_n(i, 3)
+        s.admit(i, SamplingParams(**params), [1, 2], seed=i, top_n=3)
     logits = torch.randn(B, V, generator=torch.Generator().manual_seed(0))
     s.step(logits, range(B))  # builds and caches the batch plan
     with ReadBackCounter() as c:

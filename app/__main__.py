@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
+import time
 
 import uvicorn
 
 from app import __version__
 from app.config import SettingsError, load_settings
-from app.server import Service, StartupError, create_app, load_model
+from app.server import create_app
+from app.service import Service, StartupError, load_model
+
+log = logging.getLogger("app")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,18 +58,28 @@ class DrainingServer(uvicorn.Server):
         self._drain_started = False
 
     def handle_exit(self, sig, frame) -> None:
-        if self._drain_started or not self.started:  # second signal, or not up yet: stop now
+        if self._drain_started:
+            # A second signal: the operator wants out now. Exit at once with status 0; os._exit skips the
+            # interpreter teardown that would otherwise abort while the engine thread is inside torch
+            # ("terminate called without an active exception", SIGABRT).
+            log.warning("second signal during the drain: exiting now, abandoning %d running requests",
+                        self.service.engine.n_running if self.service.engine else 0)
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(0)
+        if not self.started:  # not serving yet: stop now
             self.should_exit = True
-            self.force_exit = self._drain_started
             return
         self._drain_started = True
         self.service.begin_drain()
         threading.Thread(target=self._drain, name="drain", daemon=True).start()
 
     def _drain(self) -> None:
-        engine = self.service.engine
-        if engine is not None and not engine.wait_idle(self.service.settings.shutdown_timeout_s):
-            logging.getLogger("app").warning("drain timed out; ending the remaining requests")
+        # Past the timeout the service stops the engine, which ends every open request with an error item:
+        # each stream sends its final error event (and [DONE] on OpenAI streams) and closes normally, so
+        # uvicorn finds no open response to cut and nothing logs a traceback.
+        if not self.service.drain(self.service.settings.shutdown_timeout_s):
+            time.sleep(0.2)  # let the streams write their last event
         self.should_exit = True  # uvicorn closes the listener, waits for open responses, runs the lifespan shutdown
 
 
@@ -84,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(settings, loaded=loaded)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_s)))
-    server = DrainingServer(config, app.service)
+    server = DrainingServer(config, app.state.service)
     server.run()
     return 0 if server.started else 1
 

@@ -64,6 +64,11 @@ class Settings(BaseSettings):
     warmup: bool = Field(True, description="run a short generation before /health reports ready")
     cuda_graphs: bool | None = Field(None, description="decode from CUDA graphs captured at warm-up (default: on "
                                                        "with CUDA; kept only if a replay equals eager decoding)")
+    chat_template: Path | None = Field(None, description="a Jinja chat template file for /v1/chat/completions "
+                                       "(default: the checkpoint's chat_template.jinja or tokenizer_config.json, "
+                                       "else the You:/Model: transcript)")
+    sse_ping_s: float = Field(15.0, ge=0, description="seconds without an event before a stream gets a "
+                                                      "': ping' comment (0: never)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     @field_validator("device")

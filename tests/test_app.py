@@ -35,22 +35,36 @@ def client(tiny_ckpt):  # noqa: F811
 
 
 def engine_of(client):
-    return client.app.service.engine
+    return client.app.state.service.engine
 
 
 def assert_error(r, status: int | None = None, field: str | None = None, error_type: str | None = None):
+    """A 4xx in the route's own shape: TGI's {"error", "error_type"}, or on /v1/* OpenAI's
+    {"error": {"message", "type", "param", "code"}} (where a 422 becomes OpenAI's 400), naming `field`."""
     assert r.status_code != 500, r.text
+    openai = r.request.url.path.startswith(("/v1/", "/tokenize", "/detokenize"))
+    if openai and status == 422:
+        status = 400
     if status is not None:
         assert r.status_code == status, (r.status_code, r.text)
     else:
         assert 400 <= r.status_code < 500, (r.status_code, r.text)
     body = r.json()
-    assert isinstance(body.get("error"), str) and body["error"], body
-    assert isinstance(body.get("error_type"), str) and body["error_type"], body
+    if openai:
+        err = body.get("error")
+        assert isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}, body
+        assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str), body
+        message, kind = err["message"], err["code"]
+        if field is not None and field != "body" and err["code"] == "validation":
+            assert err["param"] == field or (err["param"] or "").startswith(field + "."), body
+    else:
+        message, kind = body.get("error"), body.get("error_type")
+        assert isinstance(message, str) and message, body
+        assert isinstance(kind, str) and kind, body
     if field is not None:
-        assert body["error"].startswith(field + ":") or f"{field}:" in body["error"], body
+        assert message.startswith(field) or f"{field}" in message, body
     if error_type is not None:
-        assert body["error_type"] == error_type, body
+        assert kind == error_type, body
     return body
 
 
@@ -74,14 +88,14 @@ def test_health_info_models_metrics(client, tiny_ckpt):  # noqa: F811
 
 
 def test_index_and_static(client, tiny_ckpt, tmp_path, monkeypatch):  # noqa: F811
-    import app.server
+    import app.routes.ops as ops_routes
 
     r = client.get("/")
     assert r.status_code == 200 and "text/html" in r.headers["content-type"] and "<html" in r.text.lower()
-    if (app.server.STATIC_DIR / "index.html").is_file():
+    if (ops_routes.STATIC_DIR / "index.html").is_file():
         assert client.get("/static/index.html").text == r.text
     assert_error(client.get("/static/no-such-file.js"), 404)
-    monkeypatch.setattr(app.server, "STATIC_DIR", tmp_path / "nothing-here")
+    monkeypatch.setattr(ops_routes, "STATIC_DIR", tmp_path / "nothing-here")
     with app_client(tiny_ckpt) as c:  # no playground installed: a minimal page, and /static still answers
         page = c.get("/")
         assert page.status_code == 200 and "/docs" in page.text and "tiny" in page.text
@@ -99,6 +113,9 @@ def test_generate_greedy_equals_reference_on_every_route(client, tiny_ckpt):  # 
     body = {"inputs": "hello", "parameters": {"max_new_tokens": 12, "details": True}}
     for route in ("/generate", "/"):
         out = client.post(route, json=body).json()
+        if route == "/":  # TGI's compatibility route answers with a list of one result
+            assert isinstance(out, list) and len(out) == 1
+            out = out[0]
         assert out["generated_text"] == ref.text
         d = out["details"]
         assert d["finish_reason"] == "length" and d["generated_tokens"] == 12 and d["seed"] is None
@@ -290,12 +307,15 @@ BAD_TGI = [
 BAD_OPENAI = [
     (b"{", 400, None), (b"[]", 422, "body"),
     ({}, 422, "prompt"), ({"prompt": 5}, 422, "prompt"), ({"prompt": []}, 422, "prompt"),
-    ({"prompt": ["a", "b"]}, 422, "prompt"), ({"prompt": [1, 2**40]}, 422, "prompt"), ({"prompt": [-1]}, 422, "prompt"),
-    ({"prompt": [True]}, 422, "prompt"), ({"prompt": [[1, 2], [3]]}, 422, "prompt"), ({"prompt": ""}, 422, "prompt"),
+    ({"prompt": ["a", "b"], "max_tokens": 2}, 200, None), ({"prompt": [1, 2**40]}, 422, "prompt"),
+    ({"prompt": [-1]}, 422, "prompt"), ({"prompt": [True]}, 422, "prompt"),
+    ({"prompt": [[1, 2], [3]], "max_tokens": 2}, 200, None), ({"prompt": [[1, 2], [3, 9999]]}, 422, "prompt.1.1"),
+    ({"prompt": ["a"] * 17}, 422, "prompt"), ({"prompt": ["a", ""]}, 422, "prompt"), ({"prompt": ""}, 422, "prompt"),
     ({"prompt": "a", "max_tokens": 0}, 422, "max_tokens"), ({"prompt": "a", "max_tokens": "5"}, 422, "max_tokens"),
     ({"prompt": "a", "max_tokens": 500}, 422, "max_tokens"),
     ({"prompt": "a", "temperature": -0.1}, 422, "temperature"), ({"prompt": "a", "top_p": 2}, 422, "top_p"),
-    ({"prompt": "a", "n": 2}, 422, "n"), ({"prompt": "a", "best_of": 3}, 422, "best_of"),
+    ({"prompt": "a", "n": 2, "max_tokens": 2}, 200, None), ({"prompt": "a", "n": 17}, 422, "n"),
+    ({"prompt": "a", "n": 0}, 422, "n"), ({"prompt": "a", "best_of": 3}, 422, "best_of"),
     ({"prompt": "a", "logprobs": 6}, 422, "logprobs"), ({"prompt": "a", "logprobs": -1}, 422, "logprobs"),
     ({"prompt": "a", "echo": True, "logprobs": 1}, 422, "echo"), ({"prompt": "a", "stop": 5}, 422, "stop"),
     ({"prompt": "a", "stop": [1]}, 422, "stop.0"), ({"prompt": "a", "stop": ["a"] * 17}, 422, "stop"),
@@ -316,6 +336,8 @@ CASES += [("/v1/completions", body, status, field) for body, status, field in BA
 def test_bad_input_is_a_4xx_naming_the_problem(client, route, body, status, field):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = client.post(route, content=content, headers={"Content-Type": "application/json"})
+    if route.startswith("/v1/") and status == 422:
+        status = 400  # OpenAI's status for an invalid parameter
     assert r.status_code == status, (r.status_code, r.text[:300])
     if status >= 400:
         assert_error(r, status, field)
@@ -333,10 +355,20 @@ def test_body_size_limit(tiny_ckpt):  # noqa: F811
         assert c.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 2}}).status_code == 200
 
 
-def test_curl_style_form_content_type_is_accepted(client):
-    r = client.post("/generate", content=b'{"inputs": "a", "parameters": {"max_new_tokens": 2}}',
-                    headers={"Content-Type": "application/x-www-form-urlencoded"})
-    assert r.status_code == 200
+@pytest.mark.parametrize("route", ["/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", "multipart/form-data",
+                                          None])
+def test_non_json_content_type_is_415(client, route, content_type):
+    """A simple cross-site POST (form or text/plain: no CORS preflight) must not reach the model."""
+    body = b'{"inputs": "a", "prompt": "a", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}'
+    headers = {"Content-Type": content_type} if content_type else {}
+    before = engine_of(client).stats()
+    r = client.post(route, content=body, headers=headers)
+    assert_error(r, 415, error_type=None)
+    assert "application/json" in r.text
+    assert engine_of(client).stats()["prefill_chunks"] == before["prefill_chunks"]  # nothing reached the engine
+    ok = client.post(route, content=body, headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
 
 
 # ------------------------------------------------------------------------------------------- auth, CORS
@@ -417,7 +449,7 @@ def test_metrics_count_requests_and_tokens(tiny_ckpt):  # noqa: F811
         text = c.get("/metrics").text
         assert 'gpt_requests_total{finish_reason="length",status="200"} 2.0' in text
         assert 'gpt_requests_total{finish_reason="rejected",status="422"} 1.0' in text
-        n_prompt = len(c.app.service.tokenizer.encode("hey"))
+        n_prompt = len(c.app.state.service.tokenizer.encode("hey"))
         assert f"gpt_prompt_tokens_total {2 * n_prompt}.0" in text and "gpt_generated_tokens_total 8.0" in text
         assert "gpt_time_to_first_token_seconds_count 2.0" in text
         assert "gpt_inter_token_latency_seconds_count 6.0" in text
@@ -458,7 +490,7 @@ def test_health_is_503_while_warming_up_and_requests_wait(tiny_ckpt, monkeypatch
 
 def test_draining_refuses_new_work(tiny_ckpt):  # noqa: F811
     with app_client(tiny_ckpt) as c:
-        c.app.service.begin_drain()
+        c.app.state.service.begin_drain()
         r = c.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "draining"
         assert_error(c.post("/generate", json={"inputs": "a"}), 503, error_type="unavailable")
@@ -475,7 +507,7 @@ def test_two_apps_in_one_process_have_separate_metrics(tiny_ckpt):  # noqa: F811
 def test_startup_failure_is_one_line(tmp_path):
     import asyncio
 
-    from app.server import Service, StartupError
+    from app.service import Service, StartupError
     from tests.test_app_support import make_settings
 
     bad = tmp_path / "ckpt"
@@ -515,7 +547,7 @@ def test_live_is_200_when_ready_and_while_draining(tiny_ckpt):  # noqa: F811
     with app_client(tiny_ckpt) as c:
         r = c.get("/live")
         assert r.status_code == 200 and r.json() == {"status": "alive"}
-        c.app.service.begin_drain()
+        c.app.state.service.begin_drain()
         assert c.get("/health").status_code == 503
         r = c.get("/live")
         assert r.status_code == 200 and r.json() == {"status": "alive"}

@@ -90,13 +90,13 @@ class LiveServer:
         self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
                                 timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config) if server_cls is None else server_cls(config, app.service)
+        self.server = uvicorn.Server(config) if server_cls is None else server_cls(config, app.state.service)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
 
     @property
     def engine(self):
-        return self.app.service.engine
+        return self.app.state.service.engine
 
     def __enter__(self) -> LiveServer:
         import httpx

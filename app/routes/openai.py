@@ -1,0 +1,245 @@
+"""OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models) and vLLM's /tokenize and
+/detokenize. Errors here are OpenAI's error object, so the SDK's exceptions carry message and param."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from app.engine import Failed, GenerationRequest, TokenOut
+from app.errors import error_responses, invalid, stream_error_event
+from app.guards import StrictJSONRoute, json_only
+from app.protocol.openai import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from app.routes import ServiceDep, admit, authorized
+from app.streaming import DONE, ClientGone, EventStream, collect, merged, sse
+from app.validation import Plan, check_ids, plan_chat, plan_completion, render_chat
+from model.stopping import FinishReason
+
+router = APIRouter(route_class=StrictJSONRoute, tags=["OpenAI"], dependencies=[Depends(authorized)])
+ERRORS = error_responses(400, 401, 413, 415, 429, 500, 503, 504, openai=True)
+
+
+def finish(reason: FinishReason) -> str:
+    return "length" if reason == FinishReason.LENGTH else "stop"
+
+
+def usage(n_prompt: int, n_new: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
+
+
+def total_usage(results: dict[int, list[TokenOut]], plan: Plan) -> dict:
+    """Prompt tokens once per prompt (as OpenAI counts them), completion tokens over all choices."""
+    n_prompt = sum(len(p.ids) for p in plan.prompts)
+    return usage(n_prompt, sum(toks[-1].finished.generated_tokens for toks in results.values()))
+
+
+# -------------------------------------------------------------------------------------- completions
+def completion_logprobs(tokens: list[TokenOut], offset: int) -> dict:
+    lp = {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": []}
+    for t in tokens:
+        lp["tokens"].append(t.text)
+        lp["token_logprobs"].append(t.logprob)
+        lp["text_offset"].append(offset)
+        offset += len(t.text) if not t.special else 0
+        if t.top:
+            top: dict[str, float] = {}
+            for _, s, v in t.top:
+                top[s] = max(v, top.get(s, float("-inf")))
+            lp["top_logprobs"].append(top)
+        else:
+            lp["top_logprobs"].append(None)
+    return lp
+
+
+@router.post("/v1/completions", summary="OpenAI-compatible text completion (a prompt or a list of them; n choices)",
+             responses={200: {"model": CompletionResponse, "content": {"text/event-stream": {}}}, **ERRORS},
+             dependencies=[Depends(json_only)])
+async def completions(body: CompletionRequest, request: Request, service: ServiceDep) -> Response:
+    size = len(body.prompt) if isinstance(body.prompt, str) else sum(
+        len(p) if isinstance(p, (str, list)) else 1 for p in body.prompt)
+    plan, reqs = await admit(service, lambda: plan_completion(body, service.tokenizer, service.limits), size)
+    cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), service.model_name()
+    prompt_of = {i * plan.n + j: p.text for i, p in enumerate(plan.prompts) for j in range(plan.n)}
+    if plan.stream:
+        return EventStream(completion_events(plan, reqs, prompt_of, cid, created, model, request.url.path),
+                           [r for _, r in reqs], service.settings.sse_ping_s)
+    try:
+        results = await collect(request.receive, reqs)
+    except ClientGone:
+        return Response(status_code=499)
+    choices = []
+    for index in sorted(results):
+        tokens = results[index]
+        prefix = prompt_of[index] if plan.return_full_text else ""
+        choices.append({"index": index, "text": prefix + tokens[-1].finished.text,
+                        "logprobs": completion_logprobs(tokens, len(prefix)) if plan.details else None,
+                        "finish_reason": finish(tokens[-1].finished.finish_reason)})
+    return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                         "system_fingerprint": None, "choices": choices, "usage": total_usage(results, plan)})
+
+
+async def completion_events(plan: Plan, reqs: list[tuple[int, GenerationRequest]], prompt_of: dict[int, str],
+                            cid: str, created: int, model: str, path: str) -> AsyncIterator[bytes]:
+    def chunk(index: int, text: str, logprobs, reason: str | None) -> bytes:
+        body = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                "system_fingerprint": None,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
+        if plan.include_usage:
+            body["usage"] = None
+        return sse(body, "data: ")
+
+    offsets = {index: 0 for index, _ in reqs}
+    if plan.return_full_text:
+        for index, _ in reqs:
+            yield chunk(index, prompt_of[index], None, None)
+            offsets[index] = len(prompt_of[index])
+    done: dict[int, list[TokenOut]] = {}
+    async for index, item in merged(reqs):
+        if isinstance(item, Failed):
+            yield sse(stream_error_event(path, item.status, item.message, item.error_type), "data: ")
+            yield DONE
+            return
+        lp = None
+        if plan.details:
+            lp = completion_logprobs([item], offsets[index])
+            offsets[index] += len(item.text)
+        fin = item.finished
+        yield chunk(index, item.text, lp, finish(fin.finish_reason) if fin else None)
+        if fin is not None:
+            done[index] = [item]
+    if len(done) < len(reqs):
+        return  # the client went away
+    if plan.include_usage:
+        yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                   "system_fingerprint": None, "choices": [], "usage": total_usage(done, plan)}, "data: ")
+    yield DONE
+
+
+# -------------------------------------------------------------------------------------------- chat
+def chat_logprobs(tokens: list[TokenOut]) -> dict:
+    out = []
+    for t in tokens:
+        top = [{"token": s, "logprob": v, "bytes": list(s.encode())} for _, s, v in (t.top or [])]
+        out.append({"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode()), "top_logprobs": top})
+    return {"content": out}
+
+
+@router.post("/v1/chat/completions", summary="OpenAI-compatible chat: messages through the checkpoint's chat "
+             "template (or the You:/Model: transcript)",
+             responses={200: {"model": ChatCompletionResponse,
+                              "content": {"text/event-stream": {"schema": {
+                                  "$ref": "#/components/schemas/ChatCompletionChunk"}}}}, **ERRORS},
+             dependencies=[Depends(json_only)])
+async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep) -> Response:
+    size = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
+               for m in body.messages)
+    plan, reqs = await admit(service, lambda: plan_chat(body, service.tokenizer, service.limits,
+                                                         service.chat_template), size)
+    cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), service.model_name()
+    lstrip = service.chat_template.lstrip_reply
+    if plan.stream:
+        return EventStream(chat_events(plan, reqs, cid, created, model, request.url.path, lstrip),
+                           [r for _, r in reqs], service.settings.sse_ping_s)
+    try:
+        results = await collect(request.receive, reqs)
+    except ClientGone:
+        return Response(status_code=499)
+    choices = []
+    for index in sorted(results):
+        tokens = results[index]
+        fin = tokens[-1].finished
+        choices.append({"index": index, "message": {"role": "assistant",
+                                                    "content": fin.text.lstrip() if lstrip else fin.text},
+                        "logprobs": chat_logprobs(tokens) if plan.details else None,
+                        "finish_reason": finish(fin.finish_reason)})
+    return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
+                         "system_fingerprint": None, "choices": choices, "usage": total_usage(results, plan)})
+
+
+async def chat_events(plan: Plan, reqs: list[tuple[int, GenerationRequest]], cid: str, created: int, model: str,
+                      path: str, lstrip: bool) -> AsyncIterator[bytes]:
+    def chunk(index: int, delta: dict, logprobs, reason: str | None) -> bytes:
+        body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "system_fingerprint": None,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+        if plan.include_usage:
+            body["usage"] = None
+        return sse(body, "data: ")
+
+    for index, _ in reqs:
+        yield chunk(index, {"role": "assistant", "content": ""}, None, None)
+    started = {index: not lstrip for index, _ in reqs}  # the transcript's reply starts after "Model:" + space
+    done: dict[int, list[TokenOut]] = {}
+    async for index, item in merged(reqs):
+        if isinstance(item, Failed):
+            yield sse(stream_error_event(path, item.status, item.message, item.error_type), "data: ")
+            yield DONE
+            return
+        text = item.text
+        if not started[index]:
+            text = text.lstrip()
+            started[index] = bool(text)
+        fin = item.finished
+        if fin is not None:
+            done[index] = [item]
+            if not text:  # the last token released nothing (e.g. it completed a stop string)
+                yield chunk(index, {}, None, finish(fin.finish_reason))
+                continue
+        yield chunk(index, {"content": text}, chat_logprobs([item]) if plan.details else None,
+                    finish(fin.finish_reason) if fin else None)
+    if len(done) < len(reqs):
+        return
+    if plan.include_usage:
+        yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "system_fingerprint": None, "choices": [], "usage": total_usage(done, plan)}, "data: ")
+    yield DONE
+
+
+# ------------------------------------------------------------------------------------------ models
+@router.get("/v1/models", summary="The served model (OpenAI)", response_model=ModelList,
+            responses=error_responses(401, openai=True))
+async def models(service: ServiceDep) -> dict:
+    return {"object": "list", "data": [
+        {"id": service.model_name(), "object": "model", "created": int(service.started_at),
+         "owned_by": "gpt-serve", "max_model_len": service.limits.block_size if service.limits else None}]}
+
+
+# -------------------------------------------------------------------------------------- tokenizer
+@router.post("/tokenize", summary="Token ids of a prompt, or of chat messages after the chat template (vLLM)",
+             response_model=TokenizeResponse, responses=error_responses(400, 401, 413, 415, 503, openai=True),
+             dependencies=[Depends(json_only)])
+async def tokenize(body: TokenizeRequest, service: ServiceDep) -> dict:
+    service.check_open()
+    if body.messages is not None and body.prompt is not None:
+        raise invalid("messages", "send either prompt or messages, not both")
+    if body.messages is not None:
+        gen_prompt = body.add_generation_prompt is not False
+        text = render_chat(body.messages, service.chat_template, gen_prompt)
+    elif body.prompt is not None:
+        text = body.prompt
+    else:
+        raise invalid("prompt", "is required (or messages)")
+    ids = service.tokenizer.encode(text) if text else []
+    return {"count": len(ids), "max_model_len": service.limits.block_size, "tokens": ids}
+
+
+@router.post("/detokenize", summary="Text of token ids (vLLM)", response_model=DetokenizeResponse,
+             responses=error_responses(400, 401, 413, 415, 503, openai=True), dependencies=[Depends(json_only)])
+async def detokenize(body: DetokenizeRequest, service: ServiceDep) -> dict:
+    service.check_open()
+    ids = check_ids(body.tokens, "tokens", service.limits)
+    return {"prompt": service.tokenizer.decode(ids)}

@@ -1,0 +1,140 @@
+"""Operations: readiness (/health), liveness (/live), /info, Prometheus /metrics, the playground page,
+and the API docs (/docs, /redoc) served offline: Swagger UI's and ReDoc's assets come from the
+fastapi-offline package (maintained, ships both), not a CDN."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import fastapi_offline
+from fastapi import APIRouter, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from app import __version__
+from app.config import DTYPE_NAMES
+from app.errors import TGIError, error_body
+from app.routes import ServiceDep
+
+STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
+DOCS_ASSETS = Path(fastapi_offline.__file__).resolve().parent / "static"
+DOCS_ASSETS_URL = "/docs-assets"
+
+router = APIRouter(tags=["Operations"])
+UNAVAILABLE = {503: {"model": TGIError, "description": "loading, warming up, draining or failed"}}
+
+
+@router.get("/health", summary="Readiness: 200 when ready; 503 while loading, warming up or draining",
+            responses=UNAVAILABLE)
+async def health(service: ServiceDep):
+    status = service.status
+    if status == "ready":
+        return {"status": "ready"}
+    messages = {"loading": "the model is loading", "draining": "the server is shutting down",
+                "failed": f"the model is not usable: {service.engine.warmup_error if service.engine else ''}"}
+    return JSONResponse({**error_body(messages[status], "unavailable"), "status": status}, status_code=503)
+
+
+@router.get("/live", summary="Liveness: 200 while the engine thread runs (also loading/draining); 503 when it died",
+            responses=UNAVAILABLE)
+async def live(service: ServiceDep):
+    # Readiness (/health) says "send me traffic"; liveness only says "restart me": it fails only when the
+    # engine thread has died, which nothing short of a restart fixes. While the model loads (no engine yet)
+    # or the server drains, the process is healthy, so this stays 200.
+    engine = service.engine
+    if engine is not None and not engine.alive:  # (the engine starts right where it is created)
+        return JSONResponse({**error_body("the generation engine thread has stopped; restart the server",
+                                          "unavailable"), "status": "dead"}, status_code=503)
+    return {"status": "alive"}
+
+
+@router.get("/info", summary="Model, checkpoint, device and limits")
+async def info(service: ServiceDep) -> dict:
+    s = service.settings
+    body = {"model_id": service.model_name(), "version": __version__, "status": service.status,
+            "checkpoint": str(s.checkpoint)}
+    if service.loaded is not None:
+        ckpt = service.loaded.checkpoint
+        dtype = DTYPE_NAMES.get(service.loaded.dtype, str(service.loaded.dtype))
+        body.update({
+            "checkpoint": str(ckpt.path), "metadata": ckpt.metadata, "config": ckpt.config.to_dict(),
+            "n_params": ckpt.model.num_params(), "tokenizer": ckpt.tokenizer.spec,
+            "vocab_size": ckpt.tokenizer.vocab_size, "eos_token_id": ckpt.tokenizer.eot_id,
+            "device": str(service.loaded.device), "dtype": dtype,
+            "model_device_type": service.loaded.device.type, "model_dtype": dtype})
+    if service.limits is not None:
+        lim = service.limits
+        body.update({
+            "max_total_tokens": lim.block_size, "max_input_tokens": lim.max_prompt_tokens,
+            "max_prompt_tokens": lim.max_prompt_tokens, "max_new_tokens": lim.max_new_tokens,
+            "default_max_new_tokens": lim.default_max_new_tokens,
+            "max_stop_sequences": lim.max_stop_sequences, "max_stop_length": lim.max_stop_length,
+            "max_top_n_tokens": lim.max_top_n_tokens})
+    if service.chat_template is not None:
+        body["chat_template"] = service.chat_template.origin
+    body.update({"max_batch_size": s.max_batch_size,
+                 "max_concurrent_requests": (s.max_batch_size or 0) + s.max_queue,
+                 "max_queue": s.max_queue, "prefill_chunk": s.prefill_chunk,
+                 "request_timeout_s": s.request_timeout_s, "max_body_bytes": s.max_body_bytes,
+                 "api_key_required": service.api_key is not None,
+                 "engine": service.engine.stats() if service.engine else None})
+    return body
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response,
+            responses={200: {"content": {"text/plain": {}}}})
+async def metrics(service: ServiceDep) -> Response:
+    return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+
+@router.get("/", include_in_schema=False)
+async def index(service: ServiceDep) -> Response:
+    page = STATIC_DIR / "index.html"
+    if page.is_file():
+        return FileResponse(page, media_type="text/html")
+    return HTMLResponse(_FALLBACK_PAGE.replace("{name}", service.model_name()))
+
+
+# ------------------------------------------------------------------------------------------ docs
+@router.get("/docs", include_in_schema=False)
+async def swagger_ui(request: Request) -> HTMLResponse:
+    root = request.scope.get("root_path", "")
+    app = request.app
+    return get_swagger_ui_html(openapi_url=f"{root}{app.openapi_url}", title=f"{app.title} - Swagger UI",
+                               oauth2_redirect_url=f"{root}/docs/oauth2-redirect",
+                               swagger_js_url=f"{root}{DOCS_ASSETS_URL}/swagger-ui-bundle.js",
+                               swagger_css_url=f"{root}{DOCS_ASSETS_URL}/swagger-ui.css",
+                               swagger_favicon_url=f"{root}{DOCS_ASSETS_URL}/favicon.png")
+
+
+@router.get("/docs/oauth2-redirect", include_in_schema=False)
+async def swagger_ui_redirect() -> HTMLResponse:
+    return get_swagger_ui_oauth2_redirect_html()
+
+
+@router.get("/redoc", include_in_schema=False)
+async def redoc(request: Request) -> HTMLResponse:
+    root = request.scope.get("root_path", "")
+    app = request.app
+    return get_redoc_html(openapi_url=f"{root}{app.openapi_url}", title=f"{app.title} - ReDoc",
+                          redoc_js_url=f"{root}{DOCS_ASSETS_URL}/redoc.standalone.js",
+                          redoc_favicon_url=f"{root}{DOCS_ASSETS_URL}/favicon.png", with_google_fonts=False)
+
+
+def mount_static(app) -> None:
+    app.mount(DOCS_ASSETS_URL, StaticFiles(directory=DOCS_ASSETS), name="docs-assets")
+    if STATIC_DIR.is_dir():
+        app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+
+_FALLBACK_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>gpt-serve</title></head>
+<body style="font-family: sans-serif; max-width: 40em; margin: 2em auto">
+<h1>gpt-serve: {name}</h1>
+<p>The playground page is not installed. The API is up: see <a href="/docs">/docs</a>,
+<a href="/info">/info</a>, <a href="/health">/health</a> and <a href="/metrics">/metrics</a>.</p>
+<pre>curl -s localhost:8000/generate -H 'Content-Type: application/json' \\
+  -d '{"inputs": "To be, or not to be", "parameters": {"max_new_tokens": 40}}'</pre>
+</body></html>
+"""

@@ -1,0 +1,239 @@
+"""One validation pass: a request model (already type-checked by FastAPI) becomes a `Plan` — prompts as
+token ids, `SamplingParams`, and what the response must echo — or an `ApiError` naming the field.
+
+What pydantic cannot know is checked here, against the loaded model and the server's limits: prompt
+length in tokens, room left in the context for the requested tokens, stop sequences, alternatives per
+token, token ids within the vocabulary, how many choices one request may hold.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+from app.chat_template import ChatTemplate, ChatTemplateError
+from app.errors import invalid
+from app.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
+from app.protocol.tgi import TGIParameters, TGIRequest
+from model.sampling import SamplingParams
+from model.tokenizer import Tokenizer
+
+
+@dataclass
+class Limits:
+    block_size: int
+    max_prompt_tokens: int
+    max_new_tokens: int  # cap
+    default_max_new_tokens: int
+    max_stop_sequences: int = 16
+    max_stop_length: int = 256
+    max_top_n_tokens: int = 5
+    vocab_size: int = 0
+    max_choices: int = 1 << 30  # choices one request may hold (slots + queue: more could never be admitted)
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str
+
+
+@dataclass
+class Plan:
+    """A validated request: what the engine runs and what the response needs to echo back."""
+
+    prompts: list[Prompt]
+    params: SamplingParams
+    sampling: bool
+    n: int = 1
+    top_n: int = 0
+    stream: bool = False
+    details: bool = False  # TGI details / OpenAI logprobs
+    return_full_text: bool = False
+    include_usage: bool = False
+
+    @property
+    def prompt_ids(self) -> list[int]:  # single-prompt APIs
+        return self.prompts[0].ids
+
+    @property
+    def prompt_text(self) -> str:
+        return self.prompts[0].text
+
+    def choices(self) -> list[tuple[int, Prompt, SamplingParams]]:
+        """(choice index, prompt, params): prompt i's j-th choice is index i*n + j, as OpenAI numbers them.
+        Choice j is seeded `seed + j` so one seed gives n different, reproducible samples; without a seed,
+        n > 1 sampled choices get one random base seed (reported per choice by TGI-style details)."""
+        base = self.params.seed
+        if base is None and self.n > 1 and self.sampling:
+            base = random.getrandbits(62)
+        out = []
+        for i, p in enumerate(self.prompts):
+            for j in range(self.n):
+                seed = base + j if base is not None else None
+                out.append((i * self.n + j, p, self.params if base is None else replace(self.params, seed=seed)))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def check_stop(stop: str | list[str] | None, field_name: str, limits: Limits) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > limits.max_stop_sequences:
+        raise invalid(field_name, f"at most {limits.max_stop_sequences} stop sequences are allowed, got {len(stops)}")
+    for i, s in enumerate(stops):
+        where = field_name if isinstance(stop, str) else f"{field_name}.{i}"
+        if not 1 <= len(s) <= limits.max_stop_length:
+            raise invalid(where, f"must be 1 to {limits.max_stop_length} characters long, got {len(s)}")
+    return stops
+
+
+def check_top_n(n: int | None, field_name: str, limits: Limits) -> int:
+    if not n:
+        return 0
+    if n > limits.max_top_n_tokens:
+        raise invalid(field_name, f"must be <= {limits.max_top_n_tokens}")
+    return n
+
+
+def fit_context(n_prompt: int, max_new: int | None, limits: Limits, prompt_field: str, new_field: str,
+                default: int | None = None) -> int:
+    """Check the prompt and the generation budget against the limits; returns max_new_tokens to use."""
+    if n_prompt > limits.max_prompt_tokens:
+        raise invalid(prompt_field, f"the prompt has {n_prompt} tokens; at most {limits.max_prompt_tokens} "
+                                    "are allowed")
+    room = limits.block_size - n_prompt
+    if room < 1:
+        raise invalid(prompt_field, f"the prompt has {n_prompt} tokens, which fills the model's context of "
+                                    f"{limits.block_size} tokens and leaves no room to generate")
+    if max_new is None:
+        default = limits.default_max_new_tokens if default is None else default
+        return max(1, min(default, limits.max_new_tokens, room))
+    if max_new > limits.max_new_tokens:
+        raise invalid(new_field, f"must be <= {limits.max_new_tokens}")
+    if max_new > room:
+        raise invalid(new_field, f"the prompt ({n_prompt} tokens) + {new_field} ({max_new}) = {n_prompt + max_new} "
+                                 f"exceeds the model's context length of {limits.block_size} tokens; ask for at "
+                                 f"most {room}")
+    return max_new
+
+
+def encode(tokenizer: Tokenizer, text: str, field_name: str) -> list[int]:
+    ids = tokenizer.encode(text) if text else []
+    if not ids:
+        raise invalid(field_name, "must not be empty")
+    return ids
+
+
+def check_ids(ids: list[int], field_name: str, limits: Limits) -> list[int]:
+    for i, t in enumerate(ids):
+        if not 0 <= t < limits.vocab_size:
+            raise invalid(f"{field_name}.{i}", f"token id {t} is out of range [0, {limits.vocab_size})")
+    return ids
+
+
+def check_choices(n_prompts: int, n: int, limits: Limits, field_name: str) -> None:
+    if n_prompts * n > limits.max_choices:
+        raise invalid(field_name, f"{n_prompts} prompt(s) x n={n} = {n_prompts * n} choices; this server holds at "
+                                  f"most {limits.max_choices} at once")
+
+
+# ---------------------------------------------------------------------------------------------- TGI
+def plan_tgi(req: TGIRequest, tokenizer: Tokenizer, limits: Limits, stream: bool | None = None) -> Plan:
+    """TGI's /generate body → Plan. `stream` forces the mode (/generate_stream); else the body's `stream`."""
+    p = req.parameters or TGIParameters()
+    stop = check_stop(p.stop, "parameters.stop", limits)
+    top_n = check_top_n(p.top_n_tokens, "parameters.top_n_tokens", limits)
+    ids = encode(tokenizer, req.inputs, "inputs")
+    if p.truncate is not None:
+        ids = ids[-p.truncate:]
+    max_new = fit_context(len(ids), p.max_new_tokens, limits, "inputs", "parameters.max_new_tokens")
+
+    # TGI: sample when do_sample is set or any warper differs from its neutral value; else greedy.
+    # temperature 0 is greedy whatever do_sample says (TGI refuses 0; we accept it).
+    warpers = ((p.temperature is not None and p.temperature != 1.0) or bool(p.top_k)
+               or (p.top_p is not None and p.top_p < 1.0))
+    sampling = bool(p.do_sample or warpers) and p.temperature != 0.0
+    params = SamplingParams(
+        max_new_tokens=max_new,
+        temperature=(p.temperature if p.temperature is not None else 1.0) if sampling else 0.0,
+        top_k=p.top_k or 0,
+        top_p=p.top_p if p.top_p is not None else 1.0,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
+        frequency_penalty=p.frequency_penalty or 0.0,
+        seed=p.seed, stop=stop)
+    return Plan([Prompt(ids, req.inputs)], params, sampling, top_n=top_n,
+                stream=bool(req.stream) if stream is None else stream,
+                details=bool(p.details), return_full_text=bool(p.return_full_text))
+
+
+# ---------------------------------------------------------------------------------------------- OpenAI
+def _openai_params(req: CompletionRequest | ChatCompletionRequest, max_new: int, stop: list[str]) -> SamplingParams:
+    temperature = req.temperature if req.temperature is not None else 1.0
+    return SamplingParams(
+        max_new_tokens=max_new, temperature=temperature,
+        top_k=req.top_k if req.top_k and req.top_k > 0 else 0,
+        top_p=req.top_p if req.top_p is not None else 1.0,
+        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        seed=req.seed, stop=stop)
+
+
+def plan_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Limits) -> Plan:
+    if req.echo and req.logprobs is not None:
+        raise invalid("echo", "echo together with logprobs is not supported (the prompt's log-probabilities are "
+                              "not computed)")
+    stop = check_stop(req.stop, "stop", limits)
+    top_n = check_top_n(req.logprobs, "logprobs", limits)
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompts = [Prompt(encode(tokenizer, prompt, "prompt"), prompt)]
+    elif all(isinstance(x, str) for x in prompt):
+        prompts = [Prompt(encode(tokenizer, s, f"prompt.{i}"), s) for i, s in enumerate(prompt)]
+    elif all(isinstance(x, int) for x in prompt):
+        ids = check_ids(list(prompt), "prompt", limits)
+        prompts = [Prompt(ids, tokenizer.decode(ids))]
+    else:
+        prompts = [Prompt(ids := check_ids(list(x), f"prompt.{i}", limits), tokenizer.decode(ids))
+                   for i, x in enumerate(prompt)]
+    n = req.n or 1
+    check_choices(len(prompts), n, limits, "n")
+    max_new = None
+    for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        m = fit_context(len(p.ids), req.max_tokens, limits, where, "max_tokens", default=16)  # OpenAI's default
+        max_new = m if max_new is None else min(max_new, m)
+    temperature = req.temperature if req.temperature is not None else 1.0
+    return Plan(prompts, _openai_params(req, max_new, stop), sampling=temperature > 0, n=n, top_n=top_n,
+                stream=bool(req.stream), details=req.logprobs is not None, return_full_text=bool(req.echo),
+                include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+
+def message_text(m: ChatMessage) -> str:
+    return m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
+
+
+def render_chat(messages: list[ChatMessage], template: ChatTemplate, add_generation_prompt: bool = True) -> str:
+    rendered = [{"role": m.role, "content": message_text(m), **({"name": m.name} if m.name else {})}
+                for m in messages]
+    try:
+        return template.render(rendered, add_generation_prompt=add_generation_prompt)
+    except ChatTemplateError as e:
+        raise invalid("messages", str(e)) from None
+
+
+def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits, template: ChatTemplate) -> Plan:
+    stop = check_stop(req.stop, "stop", limits) + [s for s in template.stop if s not in (req.stop or [])]
+    top_n = check_top_n(req.top_logprobs, "top_logprobs", limits) if req.logprobs else 0
+    text = render_chat(req.messages, template)
+    ids = encode(tokenizer, text, "messages")
+    n = req.n or 1
+    check_choices(1, n, limits, "n")
+    asked, name = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
+                   else (req.max_tokens, "max_tokens"))
+    max_new = fit_context(len(ids), asked, limits, "messages", name)
+    temperature = req.temperature if req.temperature is not None else 1.0
+    return Plan([Prompt(ids, text)], _openai_params(req, max_new, stop), sampling=temperature > 0, n=n, top_n=top_n,
+                stream=bool(req.stream), details=bool(req.logprobs),
+                include_usage=bool(req.stream_options and req.stream_options.include_usage))

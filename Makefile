@@ -19,6 +19,9 @@ $(VENV)/.installed: pyproject.toml
 	# pinned: an unpinned torch pulls the newest multi-GB CUDA build
 	$(PY) -m pip install "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -e ".[dev]"
+	# TGI's client for the compatibility tests; --no-deps: its huggingface_hub<1.0 pin conflicts with
+	# transformers 5 and it only uses the hub for HF's hosted API (its deps: aiohttp, pydantic, in .[dev])
+	$(PY) -m pip install --no-deps "text-generation==0.7.0"
 	touch $@
 
 install: $(VENV)/.installed
@@ -28,7 +31,7 @@ test: install
 
 # Browser test: also needs Debian's chromium (apt-get install -y chromium); skipped with a reason without it.
 test-slow: install
-	$(PY) -m pip install -q -e ".[browser]"
+	$(PY) -m pip install -q -e ".[browser,conformance]"
 	$(PY) -m pytest -m slow -q
 
 lint: install

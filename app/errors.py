@@ -147,7 +147,8 @@ def validation_message(errors) -> tuple[str, str | None]:
 
 def _is_union_tag(p) -> bool:
     """Pydantic names each union member tried ('str', 'list[int]', 'function-after[...]'): not a field."""
-    return isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool", "list", "dict", "none"))
+    return isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool", "list", "dict", "none")
+                                   or p.startswith("constrained-"))
 
 
 def _num(v) -> str:
@@ -196,6 +197,17 @@ def describe(err: dict) -> str:
     return msg[:1].lower() + msg[1:]
 
 
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette's own 405 names only the first route's)."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        regex, route_methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
+        if regex is not None and route_methods and regex.match(request.url.path):
+            methods |= set(route_methods)
+    methods.discard("HEAD")  # implied by GET
+    return sorted(methods)
+
+
 # ---------------------------------------------------------------------------------------- handlers
 GENERATION_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions"})
 
@@ -230,7 +242,9 @@ def install_error_handlers(app: FastAPI, on_refusal: Callable[[int], None] | Non
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
         elif exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
+            allowed = allowed_methods(request)
+            message = f"method {request.method} is not allowed on {request.url.path} (allowed: {', '.join(allowed)})"
+            return error_response(request.url.path, 405, message, headers={"Allow": ", ".join(allowed)})
         elif exc.status_code == 413:
             message = "the request body is too large"
         return error_response(request.url.path, exc.status_code, message, headers=getattr(exc, "headers", None))

@@ -34,6 +34,13 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _number(text: str) -> int | float:
+    """JSON has one number type: 5.0 is the integer 5 (as JSON Schema says), so an integer field takes it; a
+    float field takes an int anyway. A string "5" stays refused."""
+    value = float(text)
+    return int(value) if value.is_integer() and abs(value) < 2**63 else value
+
+
 def parse_json(body: bytes) -> Any:
     """Bytes → JSON value; ApiError(400) naming the problem. NaN / Infinity are refused (not JSON)."""
     try:
@@ -41,7 +48,7 @@ def parse_json(body: bytes) -> Any:
     except UnicodeDecodeError as e:
         raise ApiError(400, f"the request body is not valid UTF-8 (invalid byte at offset {e.start})") from None
     try:
-        data = json.loads(text, parse_constant=_reject_constant)
+        data = json.loads(text, parse_constant=_reject_constant, parse_float=_number)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") \
             from None

@@ -14,7 +14,23 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from app.protocol.openai import MAX_N
+from app.errors import OpenAIError, TGIError
+from app.protocol.openai import MAX_N, ChatCompletionChunk, CompletionResponse
+from app.protocol.tgi import StreamResponse
+
+# models that only SSE events reference: added to components by hand (FastAPI adds those of `responses=` models)
+EVENT_MODELS = (StreamResponse, ChatCompletionChunk, CompletionResponse, TGIError, OpenAIError)
+
+
+def sse_content(*models: str, done: bool = False) -> dict:
+    """A `text/event-stream` response: each event's `data` is JSON of one of `models` (by component name), or
+    `[DONE]` when `done` (OpenAI's end marker). OpenAPI 3.1 reads `schema` as one event."""
+    json_data = {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"anyOf": [{"$ref": f"#/components/schemas/{m}"} for m in models]}}
+    data = {"anyOf": [{"const": "[DONE]"}, json_data]} if done else json_data
+    event = {"type": "object", "required": ["data"],
+             "properties": {"data": data, "event": {"type": "string"}, "id": {"type": "string"}}}
+    return {"text/event-stream": {"schema": event}}
 
 
 def _narrow(prop: dict, **by_type: dict[str, Any]) -> None:
@@ -70,6 +86,12 @@ def limits_in_openapi(app: FastAPI) -> None:
         if app.openapi_schema is not None:
             return app.openapi_schema
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in EVENT_MODELS:
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            for name, sub in js.pop("$defs", {}).items():
+                comps.setdefault(name, sub)
+            comps.setdefault(model.__name__, js)
         service = app.state.service
         if service.limits is None:
             return schema  # still loading: the static document, not cached

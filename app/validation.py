@@ -15,7 +15,7 @@ from app.chat_template import ChatTemplate, ChatTemplateError
 from app.errors import invalid
 from app.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from app.protocol.tgi import TGIParameters, TGIRequest
-from model.sampling import SamplingParams
+from model.sampling import GREEDY_TEMPERATURE, RANDOM_SEED_BITS, SamplingParams
 from model.tokenizer import Tokenizer
 
 
@@ -66,7 +66,7 @@ class Plan:
         n > 1 sampled choices get one random base seed (reported per choice by TGI-style details)."""
         base = self.params.seed
         if base is None and self.n > 1 and self.sampling:
-            base = random.getrandbits(62)
+            base = random.getrandbits(RANDOM_SEED_BITS - 1)
         out = []
         for i, p in enumerate(self.prompts):
             for j in range(self.n):
@@ -154,7 +154,7 @@ def plan_tgi(req: TGIRequest, tokenizer: Tokenizer, limits: Limits, stream: bool
     # temperature 0 is greedy whatever do_sample says (TGI refuses 0; we accept it).
     warpers = ((p.temperature is not None and p.temperature != 1.0) or bool(p.top_k)
                or (p.top_p is not None and p.top_p < 1.0))
-    sampling = bool(p.do_sample or warpers) and p.temperature != 0.0
+    sampling = bool(p.do_sample or warpers) and not (p.temperature is not None and p.temperature < GREEDY_TEMPERATURE)
     params = SamplingParams(
         max_new_tokens=max_new,
         temperature=(p.temperature if p.temperature is not None else 1.0) if sampling else 0.0,
@@ -205,7 +205,8 @@ def plan_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Limits
         m = fit_context(len(p.ids), req.max_tokens, limits, where, "max_tokens", default=16)  # OpenAI's default
         max_new = m if max_new is None else min(max_new, m)
     temperature = req.temperature if req.temperature is not None else 1.0
-    return Plan(prompts, _openai_params(req, max_new, stop), sampling=temperature > 0, n=n, top_n=top_n,
+    return Plan(prompts, _openai_params(req, max_new, stop), sampling=temperature >= GREEDY_TEMPERATURE, n=n,
+                top_n=top_n,
                 stream=bool(req.stream), details=req.logprobs is not None, return_full_text=bool(req.echo),
                 include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
@@ -225,15 +226,19 @@ def render_chat(messages: list[ChatMessage], template: ChatTemplate, add_generat
 
 def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits, template: ChatTemplate) -> Plan:
     stop = check_stop(req.stop, "stop", limits) + [s for s in template.stop if s not in (req.stop or [])]
-    top_n = check_top_n(req.top_logprobs, "top_logprobs", limits) if req.logprobs else 0
+    top_n = check_top_n(req.top_logprobs, "top_logprobs", limits)
+    top_n = top_n if req.logprobs else 0  # top_logprobs counts only with logprobs (OpenAI's rule)
     text = render_chat(req.messages, template)
     ids = encode(tokenizer, text, "messages")
     n = req.n or 1
     check_choices(1, n, limits, "n")
+    if req.max_completion_tokens is not None and req.max_tokens is not None and req.max_tokens > limits.max_new_tokens:
+        raise invalid("max_tokens", f"must be <= {limits.max_new_tokens}")  # ignored, but still checked
     asked, name = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
                    else (req.max_tokens, "max_tokens"))
     max_new = fit_context(len(ids), asked, limits, "messages", name)
     temperature = req.temperature if req.temperature is not None else 1.0
-    return Plan([Prompt(ids, text)], _openai_params(req, max_new, stop), sampling=temperature > 0, n=n, top_n=top_n,
+    return Plan([Prompt(ids, text)], _openai_params(req, max_new, stop), sampling=temperature >= GREEDY_TEMPERATURE,
+                n=n, top_n=top_n,
                 stream=bool(req.stream), details=bool(req.logprobs),
                 include_usage=bool(req.stream_options and req.stream_options.include_usage))

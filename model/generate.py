@@ -20,7 +20,7 @@ import torch
 
 from model.gpt import GPT
 from model.kv_cache import ContextLengthError, KVCache
-from model.sampling import Sampler, SamplingParams
+from model.sampling import RANDOM_SEED_BITS, Sampler, SamplingParams
 from model.stopping import FinishReason, StopMatcher
 from model.tokenizer import Tokenizer
 
@@ -86,7 +86,7 @@ class Sequence:
     def __post_init__(self) -> None:
         self.params.validate()
         # a seed is always chosen up front and reported, so any result can be reproduced
-        self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
+        self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(RANDOM_SEED_BITS)
         self._eot = self.tokenizer.eot_id if self.params.stop_at_eos else None
         self._detok = self.tokenizer.stream_decoder()
         self._stops = StopMatcher(self.params.stop)

@@ -45,6 +45,16 @@ _MUL = 0x45D9F3B  # Thomas Mueller's 32-bit mixer; < 2^27, so int64 products nev
 STREAM_TOKEN, STREAM_BLOCK = 0, 1  # + 2 · round for the top-p redraws
 
 
+# Temperatures below this decode greedily (as vLLM's _SAMPLING_EPS): 1/T would overflow float32 long before
+# T reaches 0 (T = 5e-324 is a valid JSON number), and the distribution is already one-hot.
+GREEDY_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY = 0.01  # dividing logits by less overflows; the APIs refuse it
+# Seeds drawn when a request has none (and reported back): below 2^53, so a JSON client in any language (a
+# JavaScript number, a JSON Schema validator comparing as doubles) can send the same seed back exactly.
+RANDOM_SEED_BITS = 53
+MIN_TOP_P = 1e-6  # smaller top_p (5e-324 is valid JSON) keeps only the most likely token, as this does
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 64
@@ -69,8 +79,8 @@ class SamplingParams:
             e.append(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             e.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            e.append(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100.0:
+            e.append(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 100], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 e.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
@@ -86,7 +96,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 # ---------------------------------------------------------------------------------------------- noise
@@ -213,13 +223,14 @@ class Sampler:
         """
         n = len(prompt)
         if seed is None:
-            seed = params.seed if params.seed is not None else secrets.randbits(63)
+            seed = params.seed if params.seed is not None else secrets.randbits(RANDOM_SEED_BITS)
         if not 0 < n <= self.max_len:
             raise ValueError(f"prompt of {n} tokens does not fit the sampler's {self.max_len} positions")
-        greedy = params.temperature == 0.0
+        greedy = params.greedy
         self.inv_temp[slot] = 1.0 if greedy else 1.0 / params.temperature
         self.top_k[slot] = params.top_k if params.top_k > 0 else self.vocab_size
-        self.top_p[slot] = params.top_p
+        # floor: p · (block mass) must stay > 0 in float32, or even the most likely token is never accepted
+        self.top_p[slot] = max(params.top_p, MIN_TOP_P)
         self.repetition[slot] = params.repetition_penalty
         self.presence[slot] = params.presence_penalty
         self.frequency[slot] = params.frequency_penalty

@@ -213,6 +213,45 @@ def test_sigterm_drains_in_flight_requests(tiny_ckpt):  # noqa: F811
         assert not s.thread.is_alive()  # and then the server stopped by itself
 
 
+def test_drain_timeout_ends_each_open_stream_with_an_error_event(tiny_ckpt, caplog):  # noqa: F811
+    """Past GPT_SHUTDOWN_TIMEOUT_S the drain ends what still runs: every open stream gets a final error event in
+    its API's shape (OpenAI streams then `[DONE]`), closes cleanly, and nothing logs a traceback."""
+    from app.__main__ import DrainingServer
+
+    app = make_app(tiny_ckpt, shutdown_timeout_s=0.3)
+    results: dict[str, str] = {}
+    with LiveServer(app, DrainingServer) as s:
+        restore = slow_model(s.engine, 0.05)  # 100 tokens would take 5 s
+        bodies = {"/generate_stream": {"inputs": "a", "parameters": {"max_new_tokens": 100}},
+                  "/v1/completions": {"prompt": "a", "max_tokens": 100, "stream": True},
+                  "/v1/chat/completions": {"messages": [{"role": "user", "content": "a"}], "max_tokens": 100,
+                                           "stream": True}}
+
+        def stream(route: str) -> None:
+            results[route] = httpx.post(s.url + route, json=bodies[route], timeout=30).text
+
+        threads = [threading.Thread(target=stream, args=(route,)) for route in bodies]
+        for t in threads:
+            t.start()
+        wait_until(lambda: s.engine.n_running == 3)
+        with caplog.at_level("WARNING"):
+            s.server.handle_exit(signal.SIGTERM, None)
+            for t in threads:
+                t.join(20)
+            s.thread.join(15)
+        restore()
+    assert not s.thread.is_alive()
+    tgi = sse_events(results["/generate_stream"])
+    assert tgi[-1]["error_type"] == "unavailable" and "shut down" in tgi[-1]["error"] and len(tgi) < 100
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        events = sse_events(results[route])
+        assert events[-1] == "[DONE]", route
+        err = events[-2]["error"]
+        assert err["code"] == "unavailable" and err["type"] == "server_error" and "shut down" in err["message"]
+    assert "drain timed out" in caplog.text
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()], caplog.text
+
+
 # ------------------------------------------------------------------------------------- real entry points
 def run(cmd: list[str], env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True,
@@ -269,3 +308,47 @@ def test_python_m_app_serves_matches_model_sample_and_exits_0_on_sigterm(tiny_ck
             proc.wait()
     if not sample.is_file():
         pytest.skip("model/sample.py is not there yet: the CLI parity check did not run")
+
+
+def test_second_sigterm_exits_at_once_with_status_0(tiny_ckpt):  # noqa: F811
+    """A second signal during the drain exits at once, status 0, with a log line (was SIGABRT: 'terminate
+    called without an active exception' while the engine thread was inside torch)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--checkpoint", str(tiny_ckpt), "--port", str(port),
+                             "--host", "127.0.0.1", "--device", "cpu", "--torch-threads", "1", "--max-batch-size", "1"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "GPT_SHUTDOWN_TIMEOUT_S": "120"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up():
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, timeout=60, step=0.1)
+
+        async def load() -> None:  # one slot, 40 long requests: the drain would take many seconds
+            async with httpx.AsyncClient(timeout=60) as c:
+                await asyncio.gather(*[c.post(url + "/generate", json={"inputs": "a", "parameters": {
+                    "max_new_tokens": 120, "do_sample": True, "seed": i}}) for i in range(40)],
+                    return_exceptions=True)
+
+        loader = threading.Thread(target=lambda: asyncio.run(load()), daemon=True)
+        loader.start()
+        wait_until(lambda: httpx.get(url + "/info", timeout=5).json()["engine"]["queued"] > 10, timeout=30, step=0.05)
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, timeout=10, step=0.05)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert time.monotonic() - t0 < 5
+        err = proc.stderr.read()
+        assert "second signal" in err and "exiting now" in err
+        assert "terminate called" not in err and "Traceback" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -276,3 +276,23 @@ def test_a_step_reads_back_once(params):
         for _ in range(3):
             s.step(logits, range(B))
     assert c.calls == ["tolist"] * 3
+
+
+def test_extreme_but_valid_parameters_stay_finite():
+    """Values a JSON client may send (the smallest positive double): temperature 5e-324 decodes greedily
+    (1/T would overflow float32), top_p 5e-324 keeps only the most likely token (p · mass would underflow to 0
+    and reject every token forever); a repetition penalty below 0.01 is refused (logits / p overflow)."""
+    from model.sampling import Sampler, SamplingParams
+
+    V = 259  # a partial last sampler block
+    torch.manual_seed(0)
+    logits = torch.randn(3, V) * 5
+    s = Sampler(3, V, 16, torch.device("cpu"))
+    s.admit(0, SamplingParams(temperature=5e-324, seed=1), [1, 2])
+    s.admit(1, SamplingParams(temperature=1.0, top_p=5e-324, seed=2), [1, 2])
+    s.admit(2, SamplingParams(temperature=1e-40, top_k=5, seed=3), [1, 2])
+    draws = s.step(logits.clone(), range(3))
+    assert [d.token for d in draws] == logits.argmax(-1).tolist()
+    assert SamplingParams(temperature=5e-324).greedy
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=5e-324).validate()

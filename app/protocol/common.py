@@ -7,7 +7,9 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, ConfigDict, Field
 
 MAX_INT = 2**31 - 1
-MAX_SEED = 2**63 - 1
+# 2^53 - 1: the largest integer every JSON reader holds exactly (a JavaScript number; a JSON Schema validator
+# compares as doubles, so a larger bound would let it call 2^63 + 100 "valid"). Random seeds stay below it.
+MAX_SEED = 2**53 - 1
 # strict: JSON types as declared (no "10" for an integer); NaN / Infinity refused; unknown keys ignored
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 

@@ -14,7 +14,7 @@ MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 16  # prompts per /v1/completions request
 
 TokenId = Annotated[int, Field(ge=0)]
-Stop = str | Annotated[list[StopString], Field(max_length=64)] | None
+Stop = StopString | Annotated[list[StopString], Field(max_length=64)] | None
 
 
 class StreamOptions(BaseModel):
@@ -31,7 +31,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0, le=100, description="default 1 (sampled); 0: greedy")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=MAX_INT, description="vLLM extension; -1 or 0: off")
-    repetition_penalty: float | None = Field(None, gt=0, le=100, description="vLLM extension")
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100, description="vLLM extension")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     n: int | None = Field(None, ge=1, le=MAX_N, description="choices per prompt; choice i uses seed + i")

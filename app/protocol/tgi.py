@@ -19,7 +19,7 @@ class TGIParameters(BaseModel):
     temperature: float | None = Field(None, ge=0, le=100, description="0: greedy")
     top_k: int | None = Field(None, ge=0, le=MAX_INT, description="0: off")
     top_p: float | None = Field(None, gt=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stop: list[StopString] | None = None
     seed: Seed = None

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from app.engine import Failed, GenerationRequest, TokenOut
 from app.errors import error_responses, invalid, stream_error_event
 from app.guards import StrictJSONRoute, json_only
+from app.openapi import sse_content
 from app.protocol.openai import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -66,7 +67,8 @@ def completion_logprobs(tokens: list[TokenOut], offset: int) -> dict:
 
 
 @router.post("/v1/completions", summary="OpenAI-compatible text completion (a prompt or a list of them; n choices)",
-             responses={200: {"model": CompletionResponse, "content": {"text/event-stream": {}}}, **ERRORS},
+             responses={200: {"model": CompletionResponse,
+                              "content": sse_content("CompletionResponse", "OpenAIError", done=True)}, **ERRORS},
              dependencies=[Depends(json_only)])
 async def completions(body: CompletionRequest, request: Request, service: ServiceDep) -> Response:
     size = len(body.prompt) if isinstance(body.prompt, str) else sum(
@@ -141,8 +143,7 @@ def chat_logprobs(tokens: list[TokenOut]) -> dict:
 @router.post("/v1/chat/completions", summary="OpenAI-compatible chat: messages through the checkpoint's chat "
              "template (or the You:/Model: transcript)",
              responses={200: {"model": ChatCompletionResponse,
-                              "content": {"text/event-stream": {"schema": {
-                                  "$ref": "#/components/schemas/ChatCompletionChunk"}}}}, **ERRORS},
+                              "content": sse_content("ChatCompletionChunk", "OpenAIError", done=True)}, **ERRORS},
              dependencies=[Depends(json_only)])
 async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep) -> Response:
     size = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)

@@ -5,12 +5,14 @@ fastapi-offline package (maintained, ships both), not a CDN."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
 import fastapi_offline
 from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel
 
 from app import __version__
 from app.config import DTYPE_NAMES
@@ -25,8 +27,12 @@ router = APIRouter(tags=["Operations"])
 UNAVAILABLE = {503: {"model": TGIError, "description": "loading, warming up, draining or failed"}}
 
 
+class Status(BaseModel):
+    status: Literal["ready", "alive"]
+
+
 @router.get("/health", summary="Readiness: 200 when ready; 503 while loading, warming up or draining",
-            responses=UNAVAILABLE)
+            response_model=Status, responses=UNAVAILABLE)
 async def health(service: ServiceDep):
     status = service.status
     if status == "ready":
@@ -37,7 +43,7 @@ async def health(service: ServiceDep):
 
 
 @router.get("/live", summary="Liveness: 200 while the engine thread runs (also loading/draining); 503 when it died",
-            responses=UNAVAILABLE)
+            response_model=Status, responses=UNAVAILABLE)
 async def live(service: ServiceDep):
     # Readiness (/health) says "send me traffic"; liveness only says "restart me": it fails only when the
     # engine thread has died, which nothing short of a restart fixes. While the model loads (no engine yet)
@@ -49,7 +55,7 @@ async def live(service: ServiceDep):
     return {"status": "alive"}
 
 
-@router.get("/info", summary="Model, checkpoint, device and limits")
+@router.get("/info", summary="Model, checkpoint, device and limits", response_model=dict[str, Any])
 async def info(service: ServiceDep) -> dict:
     s = service.settings
     body = {"model_id": service.model_name(), "version": __version__, "status": service.status,
@@ -88,7 +94,8 @@ async def metrics(service: ServiceDep) -> Response:
     return Response(service.metrics.render(), media_type=service.metrics.content_type)
 
 
-@router.get("/", include_in_schema=False)
+@router.get("/", summary="The playground page (HTML)", response_class=HTMLResponse,
+            responses={200: {"content": {"text/html": {}}}})
 async def index(service: ServiceDep) -> Response:
     page = STATIC_DIR / "index.html"
     if page.is_file():

@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, Response
 from app.engine import Failed, GenerationRequest, TokenOut
 from app.errors import error_responses, stream_error_event
 from app.guards import StrictJSONRoute, json_only
-from app.protocol.tgi import CompatRequest, GenerateResponse, StreamResponse, TGIRequest
+from app.openapi import sse_content
+from app.protocol.tgi import CompatRequest, GenerateResponse, TGIRequest
 from app.routes import ServiceDep, admit, authorized
 from app.service import Service
 from app.streaming import ClientGone, EventStream, collect, sse
@@ -20,7 +21,7 @@ from app.validation import Plan, plan_tgi
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["TGI"], dependencies=[Depends(json_only), Depends(authorized)])
 ERRORS = error_responses(400, 401, 413, 415, 422, 429, 500, 503, 504)
-SSE = {"text/event-stream": {"schema": {"$ref": "#/components/schemas/StreamResponse"}}}
+SSE = sse_content("StreamResponse", "TGIError")
 
 
 def token_json(t: TokenOut) -> dict:
@@ -86,8 +87,7 @@ async def generate(body: TGIRequest, request: Request, service: ServiceDep) -> R
 
 
 @router.post("/generate_stream", summary="Generate text as server-sent events, one per token (TGI)",
-             responses={200: {"model": StreamResponse, "content": {"text/event-stream": {}}}, **ERRORS},
-             response_class=Response)
+             responses={200: {"content": SSE}, **ERRORS}, response_class=Response)
 async def generate_stream(body: TGIRequest, request: Request, service: ServiceDep) -> Response:
     return await run(service, request, body, True, as_list=False)
 

@@ -1,15 +1,18 @@
 """Sample from a checkpoint on the command line, streaming tokens as they arrive.
 
     python -m model.sample --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
-                           [--top-k K] [--top-p P] [--seed S] [--interactive]
+                           [--top-k K] [--top-p P] [--seed S] [--num-samples N] [--interactive]
 
 Prints only the continuation on stdout (the prompt is not echoed); `--interactive`
-opens a `You:` / `Model:` chat loop over one growing transcript.
+opens a `You:` / `Model:` chat loop over one growing transcript. Ctrl-C during a reply
+stops that reply and returns to the `You:` prompt; Ctrl-C or Ctrl-D at the prompt exits.
+Piping into `head` and the like stops quietly once the reader has gone.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from model.checkpoint import Checkpoint, CheckpointError, load_checkpoint
@@ -18,37 +21,73 @@ from model.generate import stream_generate
 from model.kv_cache import ContextLengthError
 from model.sampling import SamplingParams
 
+EXIT_SIGINT = 130  # 128 + SIGINT, as a shell reports a process killed by Ctrl-C
+EXIT_SIGPIPE = 141  # 128 + SIGPIPE, as `yes | head` reports it
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m model.sample", description=__doc__.split("\n\n")[0])
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, except where there is none to show (required, or None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m model.sample", description=__doc__.split("\n\n")[0],
+                                 formatter_class=_HelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="checkpoint directory")
-    ap.add_argument("--prompt", default=None, help="text to continue (default: <|endoftext|>, i.e. from scratch)")
-    ap.add_argument("--max-new-tokens", type=int, default=200)
+    ap.add_argument("--prompt", default=None,
+                    help="text to continue; without it, generation starts from <|endoftext|> (from scratch)")
+    ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sample or reply")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
-    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
-    ap.add_argument("--seed", type=int, default=None, help="fixes the random stream (same seed → same text)")
+    ap.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="> 1 discourages tokens already seen; 1 = off")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="fixes the random stream (same seed → same text); without it, a fresh random seed")
+    ap.add_argument("--num-samples", type=int, default=1,
+                    help="independent samples to print one after another, each ending in a newline "
+                         "(with --seed S, sample i uses seed S+i)")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not printed")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16")
     ap.add_argument("--interactive", action="store_true", help="chat loop: You: / Model:")
-    return ap.parse_args(argv)
+    return ap
 
 
-def stream_text(ck: Checkpoint, prompt_ids: list[int], params: SamplingParams) -> str:
-    """Generate and print the continuation as it arrives; return it."""
-    out = []
-    for _, ev in stream_generate(ck.model, ck.tokenizer, [prompt_ids], params):
-        if ev.text:
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
-            out.append(ev.text)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def stream_text(ck: Checkpoint, prompt_ids: list[int], params: SamplingParams, out: list[str] | None = None) -> str:
+    """Generate and print the continuation as it arrives; return it.
+
+    Each piece is also appended to `out` as it is printed, so a caller interrupted mid-reply
+    (KeyboardInterrupt) still knows what was shown. The generator is closed on the way out, so an
+    interruption stops the generation itself, not only the printing.
+    """
+    out = [] if out is None else out
+    events = stream_generate(ck.model, ck.tokenizer, [prompt_ids], params)
+    try:
+        for _, ev in events:
+            if ev.text:
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+                out.append(ev.text)
+    finally:
+        events.close()
     return "".join(out)
 
 
 def chat(ck: Checkpoint, params: SamplingParams) -> None:
-    """Keep one transcript; each turn appends `You: ...` and lets the model write the `Model:` line."""
+    """Keep one transcript; each turn appends `You: ...` and lets the model write the `Model:` line.
+
+    Ctrl-C during a reply cuts it short (what was shown stays in the transcript) and asks again;
+    Ctrl-C or Ctrl-D at the prompt, or `exit` / `quit`, ends the chat.
+    """
     params.stop = list(params.stop) + ["\nYou:"]
     transcript = ""
     room = ck.config.block_size - params.max_new_tokens
@@ -63,18 +102,23 @@ def chat(ck: Checkpoint, params: SamplingParams) -> None:
         transcript += f"You: {line}\nModel:"
         ids = ck.tokenizer.encode(transcript)[-room:]  # forget the oldest turns when the context fills
         sys.stdout.write("Model:")
-        reply = stream_text(ck, ids, params)
-        transcript += reply + "\n"
+        reply: list[str] = []
+        try:
+            stream_text(ck, ids, params, reply)
+        except KeyboardInterrupt:
+            pass  # the reply stops here; the chat goes on
+        transcript += "".join(reply) + "\n"
         print()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                             stop=args.stop)
     try:
         params.validate()
+        if args.num_samples < 1:
+            raise ValueError(f"num_samples must be at least 1, got {args.num_samples}")
         device = resolve_device(args.device)
         ck = load_checkpoint(args.checkpoint, device, resolve_dtype(args.dtype, device))
         if args.interactive:
@@ -83,12 +127,32 @@ def main(argv: list[str] | None = None) -> int:
             chat(ck, params)
             return 0
         ids = ck.tokenizer.encode(args.prompt) if args.prompt else [ck.tokenizer.eot_id]
-        stream_text(ck, ids, params)
-        print()
+        for i in range(args.num_samples):
+            if args.seed is not None:
+                params.seed = args.seed + i
+            stream_text(ck, ids, params)
+            print()
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except BrokenPipeError:
+        # The reader has gone (`| head`): stop quietly. Point stdout at /dev/null, so that the
+        # interpreter's own flush at exit has nowhere to fail and prints no "Exception ignored".
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_SIGPIPE
+    except KeyboardInterrupt:
+        # Ctrl-C outside a chat reply (loading, or a plain sample): stop without a traceback
+        print(file=sys.stderr)
+        return EXIT_SIGINT
 
 
 if __name__ == "__main__":

@@ -131,11 +131,14 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def save_checkpoint(path: str | Path, model: GPT, tokenizer: Tokenizer, metadata: dict[str, Any] | None = None,
-                    tokenizer_file: str | Path | None = None, training_state: dict[str, Any] | None = None) -> Path:
+                    tokenizer_file: str | Path | None = None, training_state: dict[str, Any] | None = None,
+                    extra_files: dict[str, bytes] | None = None) -> Path:
     """Write a checkpoint directory atomically: a reader (or a crash) sees the old one or the new one, never half.
 
     tokenizer_file: the .tiktoken ranks file of a file-based tokenizer (copied in). Defaults to the file
     named by the tokenizer's spec, looked up next to `path`'s previous version if it exists.
+    extra_files: more files (name → contents) written into the same atomic directory, e.g. a task head
+    (model/task_head.py); loading ignores them.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,6 +161,10 @@ def save_checkpoint(path: str | Path, model: GPT, tokenizer: Tokenizer, metadata
             "n_params": raw.num_params(), **(metadata or {})}
     meta = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in meta.items()}
     (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
+    for name, content in (extra_files or {}).items():
+        if Path(name).name != name or name in (WEIGHTS, CONFIG, TOKENIZER, METADATA, TRAINING_STATE):
+            raise ValueError(f"extra_files: {name!r} is not a plain file name of its own")
+        (tmp / name).write_bytes(content)
     if training_state is not None:
         torch.save(training_state, tmp / TRAINING_STATE)
     for f in tmp.iterdir():  # data on disk before the rename makes it visible

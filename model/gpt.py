@@ -199,16 +199,21 @@ class GPT(nn.Module):
         pos = self.transformer.wpe(positions) if "wpe" in self.transformer else self.pos_table[positions]
         return self.transformer.drop(tok + pos)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx (B, T) → logits (B, T, vocab) and, given targets (B, T), the mean cross-entropy (-1 = ignore)."""
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) → the final hidden states (B, T, n_embd), after the last LayerNorm: what the tied output
+        head reads (forward's logits are `hidden(idx) @ W_eᵀ`), and a task head too (model/task_head.py)."""
         T = idx.size(1)
         if T > self.config.block_size:
             raise ContextLengthError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
         x = self._embed(idx, torch.arange(T, device=idx.device))
         for block in self.transformer.h:
             x = block(x)
-        logits = linear(self.transformer.ln_f(x), self.lm_head)
+        return self.transformer.ln_f(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, T) → logits (B, T, vocab) and, given targets (B, T), the mean cross-entropy (-1 = ignore)."""
+        logits = linear(self.hidden(idx), self.lm_head)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)

@@ -4,11 +4,17 @@ Two kinds, both byte-level BPE with GPT-2's pre-tokenization and `<|endoftext|>`
 - a named tiktoken encoding (`r50k_base` is GPT-2's; `gpt2` is accepted as an alias);
 - a `.tiktoken` ranks file (e.g. trained by `python -m training.tokenizer`), whose
   `<|endoftext|>` id is the number of ranks.
+
+Either may carry extra special tokens after its own (a fine-tuned checkpoint's `[Start]`, `[Delim]`,
+`[Extract]`, model/task_head.py): the spec then has `"special_tokens": {"[Start]": id, ...}`. Encoding text
+never produces them (written in the text, they are plain text); they are ids a caller inserts, and decode
+to their names.
 """
 
 from __future__ import annotations
 
 import codecs
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +75,28 @@ class Tokenizer:
             return cls.named(str(name_or_path))
         return cls.from_ranks_file(name_or_path)
 
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Every special token (`<|endoftext|>` and any extra ones) → its id."""
+        return dict(self.encoding._special_tokens)
+
+    def with_special_tokens(self, names: Sequence[str]) -> Tokenizer:
+        """This tokenizer plus the given special tokens (those it lacks get the next free ids, in order);
+        the spec records them, so a checkpoint saved with it loads them back."""
+        special = self.special_tokens
+        extra = dict(self.spec.get("special_tokens", {}))
+        for name in names:
+            if name not in special:
+                special[name] = extra[name] = max(self.vocab_size, max(special.values()) + 1)
+        if not extra or extra == self.spec.get("special_tokens"):
+            return self
+        return Tokenizer(_with_specials(self.encoding, special), {**self.spec, "special_tokens": extra})
+
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
-        """allow_special: `<|endoftext|>` in the text becomes the special token (else it is plain text)."""
+        """allow_special: `<|endoftext|>` in the text becomes the special token (else it is plain text).
+        Extra special tokens written in the text are always plain text."""
         if allow_special:
-            return self.encoding.encode(text, allowed_special={EOT})
+            return self.encoding.encode(text, allowed_special={EOT}, disallowed_special=())
         return self.encoding.encode(text, disallowed_special=())
 
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
@@ -107,11 +131,31 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
+def _with_specials(enc: tiktoken.Encoding, special: dict[str, int]) -> tiktoken.Encoding:
+    return tiktoken.Encoding(name=enc.name, pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
+                             special_tokens=special)
+
+
 def load_tokenizer(spec: dict[str, Any], base_dir: str | Path) -> Tokenizer:
     """Load the tokenizer a checkpoint describes (spec from its tokenizer.json)."""
     kind = spec.get("type")
     if kind == "tiktoken":
-        return Tokenizer.named(str(spec.get("name")))
-    if kind == "tiktoken_file":
-        return Tokenizer.from_ranks_file(Path(base_dir) / str(spec.get("file")))
-    raise TokenizerError(f"unknown tokenizer type {kind!r} (expected 'tiktoken' or 'tiktoken_file')")
+        base = Tokenizer.named(str(spec.get("name")))
+    elif kind == "tiktoken_file":
+        base = Tokenizer.from_ranks_file(Path(base_dir) / str(spec.get("file")))
+    else:
+        raise TokenizerError(f"unknown tokenizer type {kind!r} (expected 'tiktoken' or 'tiktoken_file')")
+    extra = spec.get("special_tokens")
+    if extra is None:
+        return base
+    if not isinstance(extra, dict) or not all(isinstance(k, str) and type(v) is int for k, v in extra.items()):
+        raise TokenizerError('"special_tokens" must map token names to integer ids')
+    special = base.special_tokens
+    taken = set(special.values())
+    for name, i in extra.items():
+        if name in special or i < base.vocab_size or i in taken:
+            raise TokenizerError(f"special token {name!r} = {i} collides with the base vocabulary "
+                                 f"(ids 0..{base.vocab_size - 1}) or another special token")
+        special[name] = i
+        taken.add(i)
+    return Tokenizer(_with_specials(base.encoding, special), {**base.spec, "special_tokens": dict(extra)})

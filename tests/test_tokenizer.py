@@ -87,3 +87,22 @@ def test_sequence_finish_reasons(byte_tokenizer):
     # the text of all events concatenated is the generated text, multi-byte characters included
     seq = _run(byte_tokenizer, TEXT, SamplingParams(max_new_tokens=500))
     assert "".join(e.text for e in seq.events) == seq.text == TEXT
+
+
+def test_extra_special_tokens_round_trip_through_the_spec(tmp_path, gpt2_tokenizer):
+    path = write_byte_ranks(tmp_path / "t.tiktoken", [b"ab"])
+    tok = Tokenizer.from_ranks_file(path).with_special_tokens(["[Start]", "[Extract]"])
+    assert tok.spec == {"type": "tiktoken_file", "file": "t.tiktoken", "special_tokens": {"[Start]": 258,
+                                                                                         "[Extract]": 259}}
+    assert tok.vocab_size == 260 and tok.eot_id == 257
+    again = load_tokenizer(tok.spec, tmp_path)
+    assert again.special_tokens == {"<|endoftext|>": 257, "[Start]": 258, "[Extract]": 259}
+    assert again.decode([258, 256, 259]) == "[Start]ab[Extract]" and again.token_bytes(259) == b"[Extract]"
+    # written in text they are plain text, whatever allow_special says; <|endoftext|> keeps its rule
+    assert again.encode("[Start]ab") == again.encode("[Start]ab", allow_special=False) == [91, *b"Start", 93, 256]
+    assert again.encode("<|endoftext|>") == [257]
+    named = gpt2_tokenizer.with_special_tokens(["[Start]"])
+    assert named.special_tokens["[Start]"] == 50257 and load_tokenizer(named.spec, tmp_path).vocab_size == 50258
+    for bad in ({"[Start]": 100}, {"<|endoftext|>": 300}, {"[A]": 258, "[B]": 258}, ["[Start]"]):
+        with pytest.raises(TokenizerError):
+            load_tokenizer({**tok.spec, "special_tokens": bad}, tmp_path)

@@ -18,8 +18,8 @@ import torch
 
 from model.checkpoint import TRAINING_STATE, save_checkpoint
 from model.gpt import GPT
+from model.tokenizer import Tokenizer
 from training.config import ARCH_KEYS, TrainConfig, build_config
-from training.data import DataDir
 from training.distributed import launched_as_rank0
 from training.errors import TrainError
 
@@ -36,9 +36,10 @@ def recover_checkpoint_dirs(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def load_resume(out: Path, config_file: str | None, overrides: list[str]) -> tuple[dict[str, Any], TrainConfig]:
-    """The training state saved in OUT/last and the resumed run's config: the saved one, then the file and
-    overrides on top, which may change anything but the architecture."""
+def load_resume(out: Path, config_file: str | None, overrides: list[str],
+                cls: type[TrainConfig] = TrainConfig) -> tuple[dict[str, Any], TrainConfig]:
+    """The training state saved in OUT/last and the resumed run's config (a `cls`): the saved one, then the file
+    and overrides on top, which may change anything but the architecture."""
     if out.is_dir() and launched_as_rank0():  # under torchrun, rank 0 tidies
         recover_checkpoint_dirs(out)
     state_file = out / LAST / TRAINING_STATE
@@ -48,7 +49,7 @@ def load_resume(out: Path, config_file: str | None, overrides: list[str]) -> tup
         state = torch.load(state_file, map_location="cpu", weights_only=True)
     except Exception as e:
         raise TrainError(f"{state_file}: cannot read training state ({type(e).__name__}: {e})") from e
-    cfg = build_config(base=state["config"], file=config_file, overrides=overrides)
+    cfg = build_config(base=state["config"], file=config_file, overrides=overrides, cls=cls)
     saved = state["config"]
     changed = [k for k in (*ARCH_KEYS, "block_size", "vocab_multiple") if getattr(cfg, k) != saved[k]]
     if changed:
@@ -94,11 +95,12 @@ def seed_or_restore_rngs(state: dict[str, Any] | None, seed: int, rank: int) -> 
         random.seed(seed + rank)
 
 
-def write_checkpoints(out: Path, model: GPT, data: DataDir, meta: dict[str, Any], training_state: dict[str, Any],
-                      improved: bool) -> None:
-    """OUT/best (weights only) if the validation loss improved, then OUT/last with the training state."""
-    tokenizer = data.tokenizer
+def write_checkpoints(out: Path, model: GPT, tokenizer: Tokenizer, tokenizer_file: Path | None, meta: dict[str, Any],
+                      training_state: dict[str, Any], improved: bool,
+                      extra_files: dict[str, bytes] | None = None) -> None:
+    """OUT/best (weights only) if the run's measure improved, then OUT/last with the training state; both with
+    the same extra files (a task head)."""
     if improved:  # best first: a kill between the two writes leaves last older, never best behind last
-        save_checkpoint(out / BEST, model, tokenizer, meta, tokenizer_file=data.tokenizer_file)
-    save_checkpoint(out / LAST, model, tokenizer, meta, tokenizer_file=data.tokenizer_file,
-                    training_state=training_state)
+        save_checkpoint(out / BEST, model, tokenizer, meta, tokenizer_file=tokenizer_file, extra_files=extra_files)
+    save_checkpoint(out / LAST, model, tokenizer, meta, tokenizer_file=tokenizer_file,
+                    training_state=training_state, extra_files=extra_files)

@@ -1,22 +1,25 @@
 """TrainConfig: every training knob, loaded from a JSON/TOML file plus `--set key=value` overrides.
 
-Precedence (later wins): dataclass defaults < config file < `--set` overrides.
-Every value is type-checked against the field's annotation; an unknown key is an
-error that names the key and suggests the closest known one, so a typo never
-silently falls back to a default.
+Precedence (later wins): field defaults < config file < `--set` overrides.
+TrainConfig is a pydantic model in strict mode: every value is type-checked against the field's annotation
+(an int is accepted for a float field, nothing else is coerced), then the ranges are checked together; an
+unknown key is an error that names the key and suggests the closest known one, so a typo never silently
+falls back to a default. Every problem surfaces as one ConfigError line.
+FinetuneConfig (training/finetune.py's knobs) extends it with the fine-tuning keys and defaults.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
+import functools
 import json
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -29,8 +32,9 @@ ARCH_KEYS = ("n_layer", "n_head", "n_embd", "bias", "norm", "activation", "posit
 MODEL_KEYS = ARCH_KEYS + ("block_size", "dropout")
 
 
-@dataclass
-class TrainConfig:
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", validate_assignment=False)
+
     # --- model (GPTConfig; vocab_size comes from the data's tokenizer) ---
     n_layer: int = 4
     n_head: int = 4
@@ -79,13 +83,25 @@ class TrainConfig:
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
     peak_tflops: float | None = None  # accelerator peak for MFU; None = guess from the GPU's name
 
-    # --- extra fields never set by users ---
-    _explicit: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+    # keys set by a config file or an override (not left at their default); never set by users
+    _explicit: frozenset[str] = PrivateAttr(default=frozenset())
 
-    def __post_init__(self) -> None:
-        self.validate()
+    def __init__(self, _explicit: frozenset[str] | set[str] = frozenset(), **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            raise _config_error(type(self), e) from None
+        self._explicit = frozenset(_explicit)
 
-    def validate(self) -> None:
+    @model_validator(mode="after")
+    def _check_ranges(self) -> TrainConfig:
+        errs = self.range_errors()
+        if errs:
+            raise ConfigError("invalid config: " + "; ".join(errs))
+        return self
+
+    def range_errors(self) -> list[str]:
+        """What is out of range, one phrase per problem (a subclass adds its own)."""
         errs = []
         positive = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "max_iters",
                     "eval_interval", "eval_iters", "log_interval", "vocab_multiple")
@@ -112,11 +128,14 @@ class TrainConfig:
             errs.append(f"max_minutes must be > 0 or null, got {self.max_minutes}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             errs.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if errs:
-            raise ConfigError("invalid config: " + "; ".join(errs))
+        return errs
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        return {k: getattr(self, k) for k in type(self).model_fields}
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A validated copy with some values changed (the explicit keys are kept)."""
+        return type(self)(**{**self.to_dict(), **changes}, _explicit=self._explicit)
 
     @property
     def decay_iters(self) -> int:
@@ -128,18 +147,35 @@ class TrainConfig:
         return self._explicit
 
 
-def _fields() -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(TrainConfig) if not f.name.startswith("_")}
+def _fields(cls: type[TrainConfig] = TrainConfig) -> dict[str, Any]:
+    """Key → annotation, in declaration order."""
+    return {k: f.annotation for k, f in cls.model_fields.items()}
 
 
-def _hints() -> dict[str, Any]:
-    return typing.get_type_hints(TrainConfig)
+@functools.cache
+def _adapter(cls: type[TrainConfig], key: str) -> TypeAdapter:
+    return TypeAdapter(cls.model_fields[key].annotation, config=ConfigDict(strict=True))
 
 
-def _unknown(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, list(_fields()), n=1)
+def _unknown(key: str, where: str, cls: type[TrainConfig] = TrainConfig) -> ConfigError:
+    close = difflib.get_close_matches(key, list(_fields(cls)), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ConfigError(f"{where}: unknown config key {key!r}{hint} (known keys: {', '.join(_fields())})")
+    return ConfigError(f"{where}: unknown config key {key!r}{hint} (known keys: {', '.join(_fields(cls))})")
+
+
+def _config_error(cls: type[TrainConfig], e: ValidationError) -> ConfigError:
+    """pydantic's errors as the one line the CLI shows: ours (ranges) verbatim, type errors as `key must be T`."""
+    for err in e.errors():
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, ConfigError):
+            return inner
+    err = e.errors()[0]
+    key = str(err["loc"][0]) if err["loc"] else "config"
+    if err["type"] == "extra_forbidden":
+        return _unknown(key, "config", cls)
+    if key in cls.model_fields:
+        return ConfigError(f"config: {key} must be {_type_name(_fields(cls)[key])}, got {err['input']!r}")
+    return ConfigError(f"config: {err['msg']}")
 
 
 def _type_name(tp: Any) -> str:
@@ -150,30 +186,18 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def check_value(key: str, value: Any, where: str = "config") -> Any:
-    """A value of the right type for `key` (ints are accepted for float fields), else ConfigError."""
-    tp = _hints()[key]
-    options = typing.get_args(tp) if (isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union) \
-        else (tp,)
-    for opt in options:
-        if opt is type(None) and value is None:
-            return None
-        if typing.get_origin(opt) is Literal and value in typing.get_args(opt) and isinstance(value, str):
-            return value
-        if opt is bool and isinstance(value, bool):
-            return value
-        if opt is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if opt is float and isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if opt is str and isinstance(value, str):
-            return value
-    raise ConfigError(f"{where}: {key} must be {_type_name(tp)}, got {value!r}")
+def check_value(key: str, value: Any, where: str = "config", cls: type[TrainConfig] = TrainConfig) -> Any:
+    """A value of the right type for `key` (pydantic, strict: ints are accepted for float fields), else
+    ConfigError."""
+    try:
+        return _adapter(cls, key).validate_python(value)
+    except ValidationError:
+        raise ConfigError(f"{where}: {key} must be {_type_name(_fields(cls)[key])}, got {value!r}") from None
 
 
-def parse_value(key: str, text: str) -> Any:
+def parse_value(key: str, text: str, cls: type[TrainConfig] = TrainConfig) -> Any:
     """Parse the string of a `--set key=value` override into the field's type."""
-    tp = _hints()[key]
+    tp = _fields(cls)[key]
     options = typing.get_args(tp) if (isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union) \
         else (tp,)
     low = text.strip().lower()
@@ -203,7 +227,7 @@ def parse_value(key: str, text: str) -> Any:
     raise ConfigError(f"{where}: {key} must be {_type_name(tp)}, got {text!r}")
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
+def read_config_file(path: str | Path, cls: type[TrainConfig] = TrainConfig) -> dict[str, Any]:
     """Keys and type-checked values of a .json or .toml config file (a "//"-free flat object)."""
     path = Path(path)
     if not path.is_file():
@@ -219,47 +243,70 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot parse config file ({e})") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object / TOML table of key = value")
-    known = _fields()
+    known = _fields(cls)
     out = {}
     for k, v in data.items():
         if k.startswith("_") or k.startswith("#"):  # "_comment" / "#" keys document a JSON config
             continue
         if k not in known:
-            raise _unknown(k, str(path))
-        out[k] = check_value(k, v, str(path))
+            raise _unknown(k, str(path), cls)
+        out[k] = check_value(k, v, str(path), cls)
     return out
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
+def parse_overrides(items: list[str], cls: type[TrainConfig] = TrainConfig) -> dict[str, Any]:
     out = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"--set {item}: expected key=value")
         key, text = item.split("=", 1)
         key = key.strip()
-        if key not in _fields():
-            raise _unknown(key, f"--set {item}")
-        out[key] = parse_value(key, text)
+        if key not in _fields(cls):
+            raise _unknown(key, f"--set {item}", cls)
+        out[key] = parse_value(key, text, cls)
     return out
 
 
 def build_config(base: dict[str, Any] | None = None, file: str | Path | None = None,
-                 overrides: list[str] | None = None) -> TrainConfig:
-    """defaults < base (e.g. a resumed run's saved config) < file < overrides."""
+                 overrides: list[str] | None = None, cls: type[TrainConfig] = TrainConfig) -> TrainConfig:
+    """defaults < base (e.g. a resumed run's saved config) < file < overrides, as a `cls`."""
     values: dict[str, Any] = {}
     explicit: set[str] = set()
     if base:
         for k, v in base.items():
-            if k not in _fields():
-                raise _unknown(k, "saved config")
-            values[k] = check_value(k, v, "saved config")
+            if k not in _fields(cls):
+                raise _unknown(k, "saved config", cls)
+            values[k] = check_value(k, v, "saved config", cls)
         explicit |= set(base)
     if file is not None:
-        from_file = read_config_file(file)
+        from_file = read_config_file(file, cls)
         values.update(from_file)
         explicit |= set(from_file)
     if overrides:
-        over = parse_overrides(overrides)
+        over = parse_overrides(overrides, cls)
         values.update(over)
         explicit |= set(over)
-    return TrainConfig(**values, _explicit=frozenset(explicit))
+    return cls(**values, _explicit=frozenset(explicit))
+
+
+class FinetuneConfig(TrainConfig):
+    """TrainConfig plus the keys of supervised task fine-tuning (training/finetune.py), with defaults for a
+    pre-trained body and a fresh task head (GPT-1 used lr 6.25e-5, batch 32, λ = 0.5, 3 epochs)."""
+
+    # L = L_task + lm_weight · L_LM, the language-modelling loss on the same sequences' text tokens
+    lm_weight: float = 0.5
+    eval_examples: int = 0  # validation examples per evaluation (the first N of the file); 0 = all
+    learning_rate: float = 1e-4
+    min_lr: float = 1e-5
+    weight_decay: float = 0.01
+    warmup_iters: int = 20
+    max_iters: int = 300
+    eval_interval: int = 50
+    sample_tokens: int = 0  # a short sample per evaluation shows the body still generates; 0 = none
+
+    def range_errors(self) -> list[str]:
+        errs = super().range_errors()
+        for k in ("lm_weight", "eval_examples"):
+            if getattr(self, k) < 0:
+                errs.append(f"{k} must be >= 0, got {getattr(self, k)}")
+        return errs

@@ -1,5 +1,10 @@
 """The training loop: precision, gradient accumulation, clipping, the schedule, periodic logging, and at every
-eval_interval an evaluation, a sample and a checkpoint; stops at max_iters or after max_minutes."""
+eval_interval an evaluation, a sample and a checkpoint; stops at max_iters or after max_minutes.
+
+BaseLoop is what every run shares (the step loop, accumulation, clipping, the LR schedule, the time budget,
+the progress bar, train-loss logging, interrupts); Loop is language-model pre-training (training/train.py),
+training/finetune_loop.py's FinetuneLoop is supervised task fine-tuning (training/finetune.py).
+"""
 
 from __future__ import annotations
 
@@ -38,36 +43,59 @@ def setup_precision(cfg: TrainConfig, device: torch.device) -> bool:
     return use_bf16
 
 
-class Loop:
-    """One invocation of a run, from its first step (or the resumed one) to the last; rank 0 logs and saves."""
+class BaseLoop:
+    """One invocation of a run, from its first step (or the resumed one) to the last; rank 0 logs and saves.
 
-    def __init__(self, cfg: TrainConfig, data: DataDir, out: Path, model: GPT, optimizer: torch.optim.Optimizer,
-                 d: Dist, device: torch.device, use_bf16: bool, state: dict[str, Any] | None,
-                 init_meta: dict[str, Any], quiet: bool) -> None:
-        self.cfg, self.data, self.out, self.raw_model, self.optimizer = cfg, data, out, model, optimizer
+    A subclass says what a micro-batch is (`micro_step`), what an evaluation and a checkpoint are
+    (`checkpoint`), what the log shows (`open_log`, `train_fields`, `end_fields`, `summary`).
+    """
+
+    prog = PROG
+    loss_terms: tuple[str, ...] = ("loss",)  # what micro_step returns; the first is the one checked for NaN
+
+    def __init__(self, cfg: TrainConfig, out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 d: Dist, device: torch.device, use_bf16: bool, state: dict[str, Any] | None, quiet: bool) -> None:
+        self.cfg, self.out, self.raw_model, self.optimizer = cfg, out, model, optimizer
         self.d, self.device, self.use_bf16, self.resumed, self.quiet = d, device, use_bf16, state is not None, quiet
-        self.step, self.best_val, self.tokens_seen, self.elapsed_before, self.cpu_before = 0, float("inf"), 0, 0.0, 0.0
-        self.init_meta = init_meta
+        self.step, self.elapsed_before, self.cpu_before = 0, 0.0, 0.0
         if state is not None:
-            self.step, self.best_val = state["step"], state["best_val_loss"]
-            self.tokens_seen, self.elapsed_before = state["tokens_seen"], state["elapsed_s"]
+            self.step, self.elapsed_before = state["step"], state["elapsed_s"]
             self.cpu_before = state.get("cpu_s", 0.0)
-            self.init_meta = state.get("init_meta", {})
 
         fwd_model: torch.nn.Module = torch.compile(model) if cfg.compile else model
         # evaluation runs under no_grad, where model.gpt sends CPU fp32 matmuls to oneDNN's fused linear, an op
         # inductor cannot lower with non-constant weights: on CPU, evaluate the uncompiled model
         self.eval_model = fwd_model if device.type == "cuda" else model
         self.train_model = d.wrap(fwd_model, device)
-
-        self.sampler = BatchSampler(data.train, cfg.block_size, cfg.batch_size, cfg.seed, d.rank)
-        self.eval_offsets = {s: fixed_eval_offsets(len(data.split(s)), cfg.block_size, cfg.batch_size,
-                                                   cfg.eval_iters) for s in ("train", "val")}
-        self.tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * d.world
-        self.peak = peak_flops(device, cfg)
-        self.fpt = flops_per_token(model)
         self.metrics: Metrics | None = None
 
+    # ---- what a subclass provides ----
+    def micro_step(self, micro: int) -> dict[str, torch.Tensor]:
+        """Forward and backward (of loss / grad_accum) of micro-batch `micro` of this step; the detached loss
+        terms, named as loss_terms."""
+        raise NotImplementedError
+
+    def after_step(self) -> None:
+        """Bookkeeping after an optimizer step (counters)."""
+
+    def checkpoint(self) -> None:
+        """Evaluate, log, and write the checkpoints (collective: every rank calls it)."""
+        raise NotImplementedError
+
+    def open_log(self) -> None:
+        raise NotImplementedError
+
+    def train_fields(self, means: dict[str, float], n_logged: int, seconds: float) -> tuple[dict, dict]:
+        """(fields of the `train` event besides step, the loss terms and lr; the progress bar's postfix)."""
+        return {}, {}
+
+    def end_fields(self) -> dict[str, Any]:
+        return {}
+
+    def summary(self) -> str:
+        return ""
+
+    # ---- shared ----
     def autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.use_bf16 else contextlib.nullcontext()
 
@@ -80,18 +108,137 @@ class Loop:
         machine, where wall time depends on what else runs."""
         return self.cpu_before + time.process_time() - self.t_cpu
 
+    def open_metrics(self, **start_fields: Any) -> None:
+        """Rank 0: the run directory and its metrics log with a `start` event."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        recover_checkpoint_dirs(self.out)
+        self.metrics = Metrics(self.out, keep_until_step=self.step if self.resumed else None,
+                               tensorboard=self.cfg.tensorboard)
+        self.metrics.log("start", step=self.step, resumed=self.resumed, **start_fields)
+
+    def train_step(self) -> float:
+        """One optimizer step of grad_accum micro-batches; returns its learning rate."""
+        cfg, d, model = self.cfg, self.d, self.train_model
+        lr = lr_at(self.step, cfg)
+        set_lr(self.optimizer, lr)
+        for micro in range(cfg.grad_accum):
+            with d.no_sync(model, sync=micro == cfg.grad_accum - 1):
+                terms = self.micro_step(micro)
+            for k in self.loss_terms:
+                self.loss_sums[k] += terms[k].float() / cfg.grad_accum
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.after_step()
+        return lr
+
+    def log_train(self, lr: float, n_logged: int, t_log: float, bar: tqdm) -> float:
+        """The mean losses of the last n_logged steps (over the ranks) to the log and the bar; returns the time."""
+        d, step = self.d, self.step
+        means = {}
+        for k in self.loss_terms:
+            d.mean_(self.loss_sums[k])
+            means[k] = (self.loss_sums[k] / n_logged).item()
+        now = time.time()
+        first = means[self.loss_terms[0]]
+        if not math.isfinite(first):
+            raise TrainError(f"loss is {first} at step {step}; lower learning_rate or check the data")
+        if d.master:
+            extra, post_extra = self.train_fields(means, n_logged, max(now - t_log, 1e-9))
+            fields = {"step": step, **means, "lr": lr, **extra}
+            post = {k: f"{v:.4f}" for k, v in means.items()}
+            post.update(post_extra)
+            self.metrics.log("train", **fields)
+            bar.set_postfix(post, refresh=False)
+        for t in self.loss_sums.values():
+            t.zero_()
+        return now
+
+    def run(self) -> torch.nn.Module:
+        """Train to max_iters (or max_minutes); returns this rank's model, unwrapped."""
+        cfg, d, out = self.cfg, self.d, self.out
+        self.open_log()
+        self.t_start, self.t_cpu = time.time(), time.process_time()
+        if not self.resumed:
+            self.checkpoint()  # step 0: the untrained baseline, and a first resumable checkpoint
+
+        bar = tqdm(total=cfg.max_iters, initial=self.step, desc="train", file=sys.stderr, dynamic_ncols=True,
+                   disable=self.quiet or not d.master, mininterval=1.0)
+        self.train_model.train()
+        self.loss_sums = {k: torch.zeros((), device=self.device) for k in self.loss_terms}
+        n_logged, t_log, stop_reason = 0, time.time(), "max_iters"
+        deadline = None if cfg.max_minutes is None else self.t_start + cfg.max_minutes * 60
+        last_eval_step = self.step
+        try:
+            while self.step < cfg.max_iters:
+                stop = deadline is not None and time.time() >= deadline
+                if deadline is not None:  # rank 0's clock decides: every rank stops at the same step
+                    stop = d.rank0_decides(stop, self.device)
+                if stop:
+                    stop_reason = "max_minutes"
+                    break
+                lr = self.train_step()
+                n_logged += 1
+                bar.update(1)
+                if self.step % cfg.log_interval == 0 or self.step == cfg.max_iters:
+                    t_log = self.log_train(lr, n_logged, t_log, bar)
+                    n_logged = 0
+                if self.step % cfg.eval_interval == 0 or self.step == cfg.max_iters:
+                    self.checkpoint()
+                    last_eval_step = self.step
+                    t_log = time.time()  # evaluation time is not training throughput
+        except KeyboardInterrupt:
+            bar.close()
+            if d.master:
+                self.metrics.close()
+                print(f"{self.prog}: interrupted at step {self.step}; {out / LAST} holds step {last_eval_step} "
+                      f"(continue with --resume)", file=sys.stderr)
+            raise
+        if last_eval_step != self.step:
+            self.checkpoint()
+        bar.close()
+        if d.master:
+            self.metrics.log("end", step=self.step, reason=stop_reason, **self.end_fields(),
+                             elapsed_s=round(self.elapsed(), 2), cpu_s=round(self.cpu_seconds(), 1))
+            self.metrics.close()
+            if not self.quiet:
+                print(f"{self.prog}: stopped at step {self.step} ({stop_reason}) after {self.elapsed() / 60:.1f} "
+                      f"min ({self.cpu_seconds() / 60:.1f} CPU-min); {self.summary()}; checkpoints in "
+                      f"{out / LAST} and {out / BEST}", file=sys.stderr)
+        return self.raw_model
+
+
+class Loop(BaseLoop):
+    """Language-model training on a prepared data directory: random windows, loss on fixed evaluation windows,
+    a sample at each evaluation, OUT/best by validation loss."""
+
+    def __init__(self, cfg: TrainConfig, data: DataDir, out: Path, model: GPT, optimizer: torch.optim.Optimizer,
+                 d: Dist, device: torch.device, use_bf16: bool, state: dict[str, Any] | None,
+                 init_meta: dict[str, Any], quiet: bool) -> None:
+        super().__init__(cfg, out, model, optimizer, d, device, use_bf16, state, quiet)
+        self.data = data
+        self.best_val, self.tokens_seen = float("inf"), 0
+        self.init_meta = init_meta
+        if state is not None:
+            self.best_val, self.tokens_seen = state["best_val_loss"], state["tokens_seen"]
+            self.init_meta = state.get("init_meta", {})
+        self.sampler = BatchSampler(data.train, cfg.block_size, cfg.batch_size, cfg.seed, d.rank)
+        self.eval_offsets = {s: fixed_eval_offsets(len(data.split(s)), cfg.block_size, cfg.batch_size,
+                                                   cfg.eval_iters) for s in ("train", "val")}
+        self.tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * d.world
+        self.peak = peak_flops(device, cfg)
+        self.fpt = flops_per_token(model)
+
     def open_log(self) -> None:
         """Rank 0: the run directory, its metrics log with a `start` event, and a line on the terminal."""
-        cfg, d, model, out = self.cfg, self.d, self.raw_model, self.out
+        cfg, d, model = self.cfg, self.d, self.raw_model
         if not d.master:
             return
-        out.mkdir(parents=True, exist_ok=True)
-        recover_checkpoint_dirs(out)
-        self.metrics = Metrics(out, keep_until_step=self.step if self.resumed else None, tensorboard=cfg.tensorboard)
-        self.metrics.log("start", step=self.step, resumed=self.resumed, n_params=model.num_params(),
-                         device=str(self.device), world_size=d.world, bf16=self.use_bf16,
-                         tokens_per_step=self.tokens_per_step, data=str(self.data.path), config=cfg.to_dict(),
-                         **self.init_meta)
+        self.open_metrics(n_params=model.num_params(), device=str(self.device), world_size=d.world,
+                          bf16=self.use_bf16, tokens_per_step=self.tokens_per_step, data=str(self.data.path),
+                          config=cfg.to_dict(), **self.init_meta)
         if not self.quiet:
             vocab = self.data.tokenizer.vocab_size
             vocab_note = (f" (tokenizer {vocab}, padded to a multiple of {cfg.vocab_multiple})"
@@ -129,102 +276,33 @@ class Loop:
                           "best_val_loss": self.best_val, "tokens_seen": self.tokens_seen,
                           "elapsed_s": self.elapsed(), "cpu_s": self.cpu_seconds(), "config": cfg.to_dict(),
                           "sampler": self.sampler.state(), "world_size": d.world, "init_meta": self.init_meta}
-        write_checkpoints(self.out, self.raw_model, data, meta, training_state, improved)
+        write_checkpoints(self.out, self.raw_model, data.tokenizer, data.tokenizer_file, meta, training_state,
+                          improved)
 
-    def train_step(self) -> float:
-        """One optimizer step of grad_accum micro-batches; returns its learning rate."""
-        cfg, d, model = self.cfg, self.d, self.train_model
-        lr = lr_at(self.step, cfg)
-        set_lr(self.optimizer, lr)
-        for micro in range(cfg.grad_accum):
-            x, y = self.sampler.batch(self.step, micro)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with d.no_sync(model, sync=micro == cfg.grad_accum - 1):
-                with self.autocast():
-                    _, loss = model(x, y)
-                (loss / cfg.grad_accum).backward()
-            self.loss_sum += loss.detach().float() / cfg.grad_accum
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+    def micro_step(self, micro: int) -> dict[str, torch.Tensor]:
+        x, y = self.sampler.batch(self.step, micro)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with self.autocast():
+            _, loss = self.train_model(x, y)
+        (loss / self.cfg.grad_accum).backward()
+        return {"loss": loss.detach()}
+
+    def after_step(self) -> None:
         self.tokens_seen += self.tokens_per_step
-        return lr
 
-    def log_train(self, lr: float, n_logged: int, t_log: float, bar: tqdm) -> float:
-        """The mean loss of the last n_logged steps (over the ranks) to the log and the bar; returns the time."""
-        d, step = self.d, self.step
-        d.mean_(self.loss_sum)
-        loss_val = (self.loss_sum / n_logged).item()
-        now = time.time()
-        tps = n_logged * self.tokens_per_step / max(now - t_log, 1e-9)
-        if not math.isfinite(loss_val):
-            raise TrainError(f"loss is {loss_val} at step {step}; lower learning_rate or check the data")
-        if d.master:
-            fields = {"step": step, "loss": loss_val, "lr": lr, "tokens": self.tokens_seen,
-                      "tokens_per_s": round(tps, 1), "elapsed_s": round(self.elapsed(), 2),
-                      "cpu_s": round(self.cpu_seconds(), 1)}
-            post = {"loss": f"{loss_val:.4f}", "tok/s": f"{tps:,.0f}"}
-            if self.peak:
-                fields["mfu"] = round(tps / d.world * self.fpt / self.peak, 4)
-                post["mfu"] = f"{fields['mfu'] * 100:.1f}%"
-            self.metrics.log("train", **fields)
-            bar.set_postfix(post, refresh=False)
-        self.loss_sum.zero_()
-        return now
+    def train_fields(self, means: dict[str, float], n_logged: int, seconds: float) -> tuple[dict, dict]:
+        tps = n_logged * self.tokens_per_step / seconds
+        fields = {"tokens": self.tokens_seen, "tokens_per_s": round(tps, 1), "elapsed_s": round(self.elapsed(), 2),
+                  "cpu_s": round(self.cpu_seconds(), 1)}
+        post = {"tok/s": f"{tps:,.0f}"}
+        if self.peak:
+            fields["mfu"] = round(tps / self.d.world * self.fpt / self.peak, 4)
+            post["mfu"] = f"{fields['mfu'] * 100:.1f}%"
+        return fields, post
 
-    def run(self) -> GPT:
-        """Train to max_iters (or max_minutes); returns this rank's model, unwrapped."""
-        cfg, d, out = self.cfg, self.d, self.out
-        self.open_log()
-        self.t_start, self.t_cpu = time.time(), time.process_time()
-        if not self.resumed:
-            self.checkpoint()  # step 0: the untrained baseline, and a first resumable checkpoint
+    def end_fields(self) -> dict[str, Any]:
+        return {"best_val_loss": self.best_val, "tokens": self.tokens_seen}
 
-        bar = tqdm(total=cfg.max_iters, initial=self.step, desc="train", file=sys.stderr, dynamic_ncols=True,
-                   disable=self.quiet or not d.master, mininterval=1.0)
-        self.train_model.train()
-        self.loss_sum = torch.zeros((), device=self.device)
-        n_logged, t_log, stop_reason = 0, time.time(), "max_iters"
-        deadline = None if cfg.max_minutes is None else self.t_start + cfg.max_minutes * 60
-        last_eval_step = self.step
-        try:
-            while self.step < cfg.max_iters:
-                stop = deadline is not None and time.time() >= deadline
-                if deadline is not None:  # rank 0's clock decides: every rank stops at the same step
-                    stop = d.rank0_decides(stop, self.device)
-                if stop:
-                    stop_reason = "max_minutes"
-                    break
-                lr = self.train_step()
-                n_logged += 1
-                bar.update(1)
-                if self.step % cfg.log_interval == 0 or self.step == cfg.max_iters:
-                    t_log = self.log_train(lr, n_logged, t_log, bar)
-                    n_logged = 0
-                if self.step % cfg.eval_interval == 0 or self.step == cfg.max_iters:
-                    self.checkpoint()
-                    last_eval_step = self.step
-                    t_log = time.time()  # evaluation time is not training throughput
-        except KeyboardInterrupt:
-            bar.close()
-            if d.master:
-                self.metrics.close()
-                print(f"{PROG}: interrupted at step {self.step}; {out / LAST} holds step {last_eval_step} "
-                      f"(continue with --resume)", file=sys.stderr)
-            raise
-        if last_eval_step != self.step:
-            self.checkpoint()
-        bar.close()
-        if d.master:
-            self.metrics.log("end", step=self.step, reason=stop_reason, best_val_loss=self.best_val,
-                             elapsed_s=round(self.elapsed(), 2), cpu_s=round(self.cpu_seconds(), 1),
-                             tokens=self.tokens_seen)
-            self.metrics.close()
-            if not self.quiet:
-                print(f"{PROG}: stopped at step {self.step} ({stop_reason}) after {self.elapsed() / 60:.1f} min "
-                      f"({self.cpu_seconds() / 60:.1f} CPU-min); best val loss "
-                      f"{self.best_val:.4f} ({self.data.bits_per_byte('val', self.best_val):.4f} bits/byte); "
-                      f"checkpoints in {out / LAST} and {out / BEST}", file=sys.stderr)
-        return self.raw_model
+    def summary(self) -> str:
+        return (f"best val loss {self.best_val:.4f} "
+                f"({self.data.bits_per_byte('val', self.best_val):.4f} bits/byte)")

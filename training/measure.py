@@ -1,21 +1,25 @@
-"""What a run measures besides its batch losses: the loss on fixed evaluation windows, a short sample, and
-the FLOP counts behind MFU."""
+"""What a run measures besides its batch losses: the loss on fixed evaluation windows, a short sample, the
+FLOP counts behind MFU, and (task fine-tuning) a task model's predictions and losses on labelled examples."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from model.generate import generate
 from model.gpt import GPT
 from model.sampling import SamplingParams
+from model.task_head import TaskHead, make_batch, special_ids, task_logits
 from model.tokenizer import Tokenizer
 from training.config import TrainConfig
 from training.data import window_batch
 from training.distributed import Dist
+from training.task_data import TaskSet
 
 
 @torch.no_grad()
@@ -79,3 +83,33 @@ def flops_per_token(model: GPT) -> float:
     """Training FLOPs per token (PaLM appendix B): 6·N + 12·L·d·T (attention scores)."""
     c = model.config
     return 6 * model.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
+
+
+@torch.no_grad()
+def score_task_set(model: GPT, head: TaskHead, kind: str, tset: TaskSet, rows: np.ndarray, tokenizer: Tokenizer,
+                   batch_size: int, device: torch.device,
+                   autocast: Callable[[], AbstractContextManager] | None = None) -> dict[str, np.ndarray | float]:
+    """The examples `rows` of tset in eval mode: "pred" (arg-max output per row), "loss" (summed task
+    cross-entropy), "lm_loss" and "lm_tokens" (summed LM cross-entropy over the text tokens, and their count)."""
+    special = special_ids(tokenizer)
+    was = model.training, head.training
+    model.eval()
+    head.eval()
+    preds, loss, lm_sum, lm_tokens = [], 0.0, 0.0, 0
+    try:
+        for b in range(0, len(rows), batch_size):
+            idx = rows[b:b + batch_size]
+            batch = make_batch([tset.encoded[i] for i in idx], special).to(device)
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                logits, lm = task_logits(model, head, kind, batch, lm=True)
+            y = torch.from_numpy(tset.labels[idx]).to(device)
+            loss += F.cross_entropy(logits.float(), y, reduction="sum").item()
+            n = int((batch.targets >= 0).sum())
+            lm_sum += lm.item() * n
+            lm_tokens += n
+            preds.append(logits.argmax(-1).cpu().numpy())
+    finally:
+        model.train(was[0])
+        head.train(was[1])
+    return {"pred": np.concatenate(preds) if preds else np.zeros(0, np.int64), "loss": loss, "lm_loss": lm_sum,
+            "lm_tokens": lm_tokens}

@@ -97,16 +97,29 @@ class Metrics:
         plt = self._plt
         train = [(e["step"], e["loss"]) for e in self.events if e["event"] == "train"]
         evals = [e for e in self.events if e["event"] == "eval"]
+
+        def series(key: str) -> list[tuple[int, float]]:  # (step, value) of the evals that have a value
+            return [(e["step"], e[key]) for e in evals if e.get(key) is not None]
+
         fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
         if train:
             ax.plot(*zip(*train), lw=0.8, alpha=0.6, label="train (batch)")
-        if evals:
-            ax.plot([e["step"] for e in evals], [e["train_loss"] for e in evals], "o-", ms=3, label="train (eval)")
-            ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", ms=3, label="val")
+        for key, label in (("train_loss", "train (eval)"), ("val_loss", "val")):
+            if series(key):
+                ax.plot(*zip(*series(key)), "o-", ms=3, label=label)
         ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats/token)")
+        task = any("val_acc" in e for e in evals)  # a fine-tuning run: task loss, and accuracy on a second axis
+        ax.set_ylabel("loss (nats per example)" if task else "loss (nats/token)")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(loc="upper left")
+        if task:
+            acc = ax.twinx()
+            acc.plot(*zip(*series("val_acc")), "s-", ms=3, color="tab:green", label="val accuracy")
+            if series("majority_acc"):
+                acc.plot(*zip(*series("majority_acc")), "--", color="tab:gray", label="majority baseline")
+            acc.set_ylabel("accuracy")
+            acc.set_ylim(0, 1)
+            acc.legend(loc="upper right")
         fig.tight_layout()
         tmp = self.plot.with_name(".loss.tmp.png")
         fig.savefig(tmp)

@@ -6,7 +6,6 @@ import math
 
 import torch
 
-from model.gpt import GPT
 from training.config import TrainConfig
 
 
@@ -20,8 +19,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
-def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay on 2-D tensors (matmul weights, embeddings) only, never on biases or LayerNorm."""
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on 2-D tensors (matmul weights, embeddings, a task head) only, never on biases or
+    LayerNorm."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},

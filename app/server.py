@@ -16,7 +16,7 @@ from app.config import Settings, load_settings
 from app.errors import install_error_handlers
 from app.guards import BodySizeLimit, JSONCORSMiddleware
 from app.openapi import limits_in_openapi
-from app.routes import openai, ops, tgi
+from app.routes import classify, openai, ops, tgi
 from app.service import Loaded, Service, lifespan
 
 DESCRIPTION = ("GPT text generation with continuous batching. TGI routes (/generate, /generate_stream, POST /), "
@@ -34,6 +34,7 @@ def create_app(settings: Settings | None = None, *, loaded: Loaded | None = None
     app.include_router(ops.router)
     app.include_router(tgi.router)
     app.include_router(openai.router)
+    app.include_router(classify.router)
     ops.mount_static(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:

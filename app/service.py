@@ -25,6 +25,7 @@ from app.errors import ApiError
 from app.metrics import Metrics
 from app.validation import Limits, Plan
 from model.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from model.task_head import Task, TaskError, load_task
 
 log = logging.getLogger("app")
 
@@ -70,6 +71,7 @@ class Service:
         self.engine: Engine | None = None
         self.limits: Limits | None = None
         self.chat_template: ChatTemplate | None = None
+        self.task: Task | None = None  # the fine-tuned task head (/classify), when the checkpoint has one
         self.draining = False
         self.started_at = time.time()
         self.api_key = settings.api_key.get_secret_value() if settings.api_key else None
@@ -86,6 +88,10 @@ class Service:
             self.chat_template = load_chat_template(ckpt.path, self._eos_text(), s.chat_template)
         except ChatTemplateError as e:
             raise StartupError(str(e)) from None
+        try:
+            self.task = load_task(ckpt.path, ckpt.model, self.loaded.device)
+        except TaskError as e:
+            raise StartupError(f"cannot load the task head: {e}") from None
         block = ckpt.config.block_size
         if s.max_batch_size is None:
             s.max_batch_size = default_max_batch_size(ckpt.config.n_layer, ckpt.config.n_embd, block,

@@ -15,7 +15,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from app.engine import Failed, GenerationRequest, TokenOut
@@ -97,6 +97,18 @@ async def collect(receive: Receive, reqs: list[tuple[int, GenerationRequest]]) -
         for _, r in reqs:
             if not r.closed:
                 r.cancel()
+
+
+async def answer(receive: Receive, reqs: list[tuple[int, GenerationRequest]], stream: AsyncIterator[bytes] | None,
+                 ping_s: float = PING_S) -> StreamingResponse | Response | dict[int, list[TokenOut]]:
+    """The two ways a route answers: a stream of `stream`'s events when given, else the whole results
+    ({choice index: tokens}), or a bare 499 when the client left first."""
+    if stream is not None:
+        return EventStream(stream, [r for _, r in reqs], ping_s)
+    try:
+        return await collect(receive, reqs)
+    except ClientGone:
+        return Response(status_code=499)
 
 
 class EventStream(StreamingResponse):

@@ -276,22 +276,34 @@ def test_uvicorn_app_main_fails_in_lifespan_with_a_clear_line(tmp_path):
     assert any("cannot load checkpoint" in line and "bogus" in line for line in p.stderr.splitlines()), p.stderr
 
 
-def test_python_m_app_serves_matches_model_sample_and_exits_0_on_sigterm(tiny_ckpt):  # noqa: F811
+def start_app_process(ckpt: Path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`python -m app` on a free port, waited for until /health is 200."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "app", "--checkpoint", str(tiny_ckpt), "--port", str(port),
-                             "--host", "127.0.0.1", "--device", "cpu", "--torch-threads", "1"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--checkpoint", str(ckpt), "--port", str(port),
+                             "--host", "127.0.0.1", "--device", "cpu", "--torch-threads", "1", *flags],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
     try:
-        url = f"http://127.0.0.1:{port}"
-
-        def up():
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
         wait_until(up, timeout=60, step=0.1)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, url
+
+
+def test_python_m_app_serves_matches_model_sample_and_exits_0_on_sigterm(tiny_ckpt):  # noqa: F811
+    proc, url = start_app_process(tiny_ckpt)
+    try:
         text = httpx.post(url + "/generate", json={"inputs": "To be", "parameters": {"max_new_tokens": 20,
                                                                                        "temperature": 0}}).json()
         sample = REPO / "model" / "sample.py"
@@ -313,23 +325,8 @@ def test_python_m_app_serves_matches_model_sample_and_exits_0_on_sigterm(tiny_ck
 def test_second_sigterm_exits_at_once_with_status_0(tiny_ckpt):  # noqa: F811
     """A second signal during the drain exits at once, status 0, with a log line (was SIGABRT: 'terminate
     called without an active exception' while the engine thread was inside torch)."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "app", "--checkpoint", str(tiny_ckpt), "--port", str(port),
-                             "--host", "127.0.0.1", "--device", "cpu", "--torch-threads", "1", "--max-batch-size", "1"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "GPT_SHUTDOWN_TIMEOUT_S": "120"})
+    proc, url = start_app_process(tiny_ckpt, "--max-batch-size", "1", env={"GPT_SHUTDOWN_TIMEOUT_S": "120"})
     try:
-        url = f"http://127.0.0.1:{port}"
-
-        def up():
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(up, timeout=60, step=0.1)
-
         async def load() -> None:  # one slot, 40 long requests: the drain would take many seconds
             async with httpx.AsyncClient(timeout=60) as c:
                 await asyncio.gather(*[c.post(url + "/generate", json={"inputs": "a", "parameters": {

@@ -26,7 +26,7 @@ from app.protocol.openai import (
     TokenizeResponse,
 )
 from app.routes import ServiceDep, admit, authorized
-from app.streaming import DONE, ClientGone, EventStream, collect, merged, sse
+from app.streaming import DONE, answer, merged, sse
 from app.validation import Plan, check_ids, plan_chat, plan_completion, render_chat
 from model.stopping import FinishReason
 
@@ -76,13 +76,11 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
     plan, reqs = await admit(service, lambda: plan_completion(body, service.tokenizer, service.limits), size)
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), service.model_name()
     prompt_of = {i * plan.n + j: p.text for i, p in enumerate(plan.prompts) for j in range(plan.n)}
-    if plan.stream:
-        return EventStream(completion_events(plan, reqs, prompt_of, cid, created, model, request.url.path),
-                           [r for _, r in reqs], service.settings.sse_ping_s)
-    try:
-        results = await collect(request.receive, reqs)
-    except ClientGone:
-        return Response(status_code=499)
+    results = await answer(request.receive, reqs, completion_events(plan, reqs, prompt_of, cid, created, model,
+                                                                    request.url.path) if plan.stream else None,
+                           service.settings.sse_ping_s)
+    if isinstance(results, Response):
+        return results
     choices = []
     for index in sorted(results):
         tokens = results[index]
@@ -152,13 +150,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
                                                          service.chat_template), size)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), service.model_name()
     lstrip = service.chat_template.lstrip_reply
-    if plan.stream:
-        return EventStream(chat_events(plan, reqs, cid, created, model, request.url.path, lstrip),
-                           [r for _, r in reqs], service.settings.sse_ping_s)
-    try:
-        results = await collect(request.receive, reqs)
-    except ClientGone:
-        return Response(status_code=499)
+    results = await answer(request.receive, reqs, chat_events(plan, reqs, cid, created, model, request.url.path,
+                                                              lstrip) if plan.stream else None,
+                           service.settings.sse_ping_s)
+    if isinstance(results, Response):
+        return results
     choices = []
     for index in sorted(results):
         tokens = results[index]

@@ -16,7 +16,7 @@ from app.openapi import sse_content
 from app.protocol.tgi import CompatRequest, GenerateResponse, TGIRequest
 from app.routes import ServiceDep, admit, authorized
 from app.service import Service
-from app.streaming import ClientGone, EventStream, collect, sse
+from app.streaming import answer, sse
 from app.validation import Plan, plan_tgi
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["TGI"], dependencies=[Depends(json_only), Depends(authorized)])
@@ -67,13 +67,11 @@ async def run(service: Service, request: Request, body: TGIRequest, stream: bool
     plan, reqs = await admit(service, lambda: plan_tgi(body, service.tokenizer, service.limits, stream),
                              len(body.inputs))
     prefix = plan.prompt_text if plan.return_full_text else ""
-    req = reqs[0][1]
-    if plan.stream:
-        return EventStream(events(plan, req, prefix, request.url.path), [req], service.settings.sse_ping_s)
-    try:
-        tokens = (await collect(request.receive, reqs))[0]
-    except ClientGone:
-        return Response(status_code=499)
+    results = await answer(request.receive, reqs, events(plan, reqs[0][1], prefix, request.url.path)
+                           if plan.stream else None, service.settings.sse_ping_s)
+    if isinstance(results, Response):
+        return results
+    tokens = results[0]
     result = {"generated_text": prefix + tokens[-1].finished.text}
     if plan.details:
         result["details"] = details(plan, tokens, stream=False)

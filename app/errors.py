@@ -43,10 +43,7 @@ class ApiError(StarletteHTTPException):
         self.status = status
         self.message = message
         self.error_type = error_type or STATUS_TYPES.get(status, "error")
-        if param is None and error_type in (None, "validation") and ": " in message:
-            head = message.split(": ", 1)[0]
-            param = head if head.replace(".", "").replace("_", "").isalnum() else None
-        self.param = param
+        self.param = param  # the request field at fault (OpenAI's `param`); `invalid()` sets it
 
     def __str__(self) -> str:
         return self.message

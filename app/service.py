@@ -194,7 +194,7 @@ class Service:
                     req = GenerationRequest(prompt.ids, params, self.tokenizer,
                                             timeout_s=self.settings.request_timeout_s, top_n=plan.top_n)
                 except ValueError as e:  # SamplingParams' own check; validation should have caught it first
-                    raise ApiError(422, f"parameters: {e}", "validation") from None
+                    raise ApiError(422, f"parameters: {e}", "validation", param="parameters") from None
                 try:
                     self.engine.submit(req)
                 except QueueFullError as e:

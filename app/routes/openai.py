@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -48,6 +49,36 @@ def total_usage(results: dict[int, list[TokenOut]], plan: Plan) -> dict:
     return usage(n_prompt, sum(toks[-1].finished.generated_tokens for toks in results.values()))
 
 
+@dataclass
+class Reply:
+    """What every answer of one OpenAI request shares: the envelope (id, object, created, model), and how its
+    stream ends (an error event then [DONE]; or the usage chunk, when asked, then [DONE])."""
+
+    object: str  # "text_completion" | "chat.completion" | "chat.completion.chunk"
+    id: str
+    model: str
+    plan: Plan
+    path: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def body(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices, **extra}
+
+    def chunk(self, choice: dict) -> bytes:
+        return sse(self.body([choice], **({"usage": None} if self.plan.include_usage else {})), "data: ")
+
+    def failed(self, item: Failed) -> list[bytes]:
+        return [sse(stream_error_event(self.path, item.status, item.message, item.error_type), "data: "), DONE]
+
+    def end(self, finished: dict[int, list[TokenOut]], n_choices: int) -> list[bytes]:
+        if len(finished) < n_choices:
+            return []  # the client went away
+        if not self.plan.include_usage:
+            return [DONE]
+        return [sse(self.body([], usage=total_usage(finished, self.plan)), "data: "), DONE]
+
+
 # -------------------------------------------------------------------------------------- completions
 def completion_logprobs(tokens: list[TokenOut], offset: int) -> dict:
     lp = {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": []}
@@ -74,10 +105,9 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
     size = len(body.prompt) if isinstance(body.prompt, str) else sum(
         len(p) if isinstance(p, (str, list)) else 1 for p in body.prompt)
     plan, reqs = await admit(service, lambda: plan_completion(body, service.tokenizer, service.limits), size)
-    cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), service.model_name()
+    reply = Reply("text_completion", f"cmpl-{uuid.uuid4().hex}", service.model_name(), plan, request.url.path)
     prompt_of = {i * plan.n + j: p.text for i, p in enumerate(plan.prompts) for j in range(plan.n)}
-    results = await answer(request.receive, reqs, completion_events(plan, reqs, prompt_of, cid, created, model,
-                                                                    request.url.path) if plan.stream else None,
+    results = await answer(request.receive, reqs, completion_events(reply, reqs, prompt_of) if plan.stream else None,
                            service.settings.sse_ping_s)
     if isinstance(results, Response):
         return results
@@ -88,19 +118,15 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
         choices.append({"index": index, "text": prefix + tokens[-1].finished.text,
                         "logprobs": completion_logprobs(tokens, len(prefix)) if plan.details else None,
                         "finish_reason": finish(tokens[-1].finished.finish_reason)})
-    return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                         "system_fingerprint": None, "choices": choices, "usage": total_usage(results, plan)})
+    return JSONResponse(reply.body(choices, usage=total_usage(results, plan)))
 
 
-async def completion_events(plan: Plan, reqs: list[tuple[int, GenerationRequest]], prompt_of: dict[int, str],
-                            cid: str, created: int, model: str, path: str) -> AsyncIterator[bytes]:
+async def completion_events(reply: Reply, reqs: list[tuple[int, GenerationRequest]], prompt_of: dict[int, str]
+                            ) -> AsyncIterator[bytes]:
+    plan = reply.plan
+
     def chunk(index: int, text: str, logprobs, reason: str | None) -> bytes:
-        body = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "system_fingerprint": None,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
-        if plan.include_usage:
-            body["usage"] = None
-        return sse(body, "data: ")
+        return reply.chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
 
     offsets = {index: 0 for index, _ in reqs}
     if plan.return_full_text:
@@ -110,8 +136,8 @@ async def completion_events(plan: Plan, reqs: list[tuple[int, GenerationRequest]
     done: dict[int, list[TokenOut]] = {}
     async for index, item in merged(reqs):
         if isinstance(item, Failed):
-            yield sse(stream_error_event(path, item.status, item.message, item.error_type), "data: ")
-            yield DONE
+            for event in reply.failed(item):
+                yield event
             return
         lp = None
         if plan.details:
@@ -121,12 +147,8 @@ async def completion_events(plan: Plan, reqs: list[tuple[int, GenerationRequest]
         yield chunk(index, item.text, lp, finish(fin.finish_reason) if fin else None)
         if fin is not None:
             done[index] = [item]
-    if len(done) < len(reqs):
-        return  # the client went away
-    if plan.include_usage:
-        yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                   "system_fingerprint": None, "choices": [], "usage": total_usage(done, plan)}, "data: ")
-    yield DONE
+    for event in reply.end(done, len(reqs)):
+        yield event
 
 
 # -------------------------------------------------------------------------------------------- chat
@@ -148,11 +170,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
                for m in body.messages)
     plan, reqs = await admit(service, lambda: plan_chat(body, service.tokenizer, service.limits,
                                                          service.chat_template), size)
-    cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), service.model_name()
+    cid, path = f"chatcmpl-{uuid.uuid4().hex}", request.url.path
     lstrip = service.chat_template.lstrip_reply
-    results = await answer(request.receive, reqs, chat_events(plan, reqs, cid, created, model, request.url.path,
-                                                              lstrip) if plan.stream else None,
-                           service.settings.sse_ping_s)
+    stream = (chat_events(Reply("chat.completion.chunk", cid, service.model_name(), plan, path), reqs, lstrip)
+              if plan.stream else None)
+    results = await answer(request.receive, reqs, stream, service.settings.sse_ping_s)
     if isinstance(results, Response):
         return results
     choices = []
@@ -163,19 +185,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
                                                     "content": fin.text.lstrip() if lstrip else fin.text},
                         "logprobs": chat_logprobs(tokens) if plan.details else None,
                         "finish_reason": finish(fin.finish_reason)})
-    return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                         "system_fingerprint": None, "choices": choices, "usage": total_usage(results, plan)})
+    reply = Reply("chat.completion", cid, service.model_name(), plan, path)
+    return JSONResponse(reply.body(choices, usage=total_usage(results, plan)))
 
 
-async def chat_events(plan: Plan, reqs: list[tuple[int, GenerationRequest]], cid: str, created: int, model: str,
-                      path: str, lstrip: bool) -> AsyncIterator[bytes]:
+async def chat_events(reply: Reply, reqs: list[tuple[int, GenerationRequest]], lstrip: bool
+                      ) -> AsyncIterator[bytes]:
+    plan = reply.plan
+
     def chunk(index: int, delta: dict, logprobs, reason: str | None) -> bytes:
-        body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "system_fingerprint": None,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
-        if plan.include_usage:
-            body["usage"] = None
-        return sse(body, "data: ")
+        return reply.chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
 
     for index, _ in reqs:
         yield chunk(index, {"role": "assistant", "content": ""}, None, None)
@@ -183,8 +202,8 @@ async def chat_events(plan: Plan, reqs: list[tuple[int, GenerationRequest]], cid
     done: dict[int, list[TokenOut]] = {}
     async for index, item in merged(reqs):
         if isinstance(item, Failed):
-            yield sse(stream_error_event(path, item.status, item.message, item.error_type), "data: ")
-            yield DONE
+            for event in reply.failed(item):
+                yield event
             return
         text = item.text
         if not started[index]:
@@ -198,12 +217,8 @@ async def chat_events(plan: Plan, reqs: list[tuple[int, GenerationRequest]], cid
                 continue
         yield chunk(index, {"content": text}, chat_logprobs([item]) if plan.details else None,
                     finish(fin.finish_reason) if fin else None)
-    if len(done) < len(reqs):
-        return
-    if plan.include_usage:
-        yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "system_fingerprint": None, "choices": [], "usage": total_usage(done, plan)}, "data: ")
-    yield DONE
+    for event in reply.end(done, len(reqs)):
+        yield event
 
 
 # ------------------------------------------------------------------------------------------ models

@@ -1,7 +1,7 @@
 """The HTTP text-generation service: TGI- and OpenAI-compatible routes over a continuous-batching engine.
 
 - `app.config`  settings (env `GPT_*`, CLI flags)
-- `app.engine`  the worker thread that owns the model and the KV-cache slots
+- `app.engine`  the engine core's process, its messages and the fronts' client (no HTTP)
 - `app.server`  the FastAPI application (`create_app`)
 - `app.main`    `app` for `uvicorn app.main:app`
 - `python -m app` the CLI entry point

@@ -1,14 +1,17 @@
 """`python -m app [--checkpoint DIR] [--host H] [--port P] [--device D] [--dtype T] ...`
 
-Flags override the `GPT_*` environment variables. The checkpoint is validated and loaded before
-uvicorn starts, so a bad one ends the process at once with a one-line reason and exit status 1.
+Flags override the `GPT_*` environment variables. The engine core process is started and the checkpoint
+loaded before uvicorn starts, so a bad one ends the process at once with a one-line reason and exit status 1.
 SIGTERM / SIGINT drain: new requests get 503 and /health turns 503, in-flight requests finish
-(for at most GPT_SHUTDOWN_TIMEOUT_S), then the process exits 0. A second signal exits at once.
+(for at most GPT_SHUTDOWN_TIMEOUT_S), then the front and the core exit 0. A second signal exits at once.
+If the engine core dies, every open stream gets its final error event, /live turns 503 and the server exits 1.
+With --api-servers N (GPT_API_SERVERS), N front processes share the port and the one core (app/launcher.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -19,8 +22,9 @@ import uvicorn
 
 from app import __version__
 from app.config import SettingsError, load_settings
+from app.engine.core_process import CoreConfig
 from app.server import create_app
-from app.service import Service, StartupError, load_model
+from app.service import CoreHandle, Service, StartupError, load_model
 
 log = logging.getLogger("app")
 
@@ -45,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, help="CPU threads for torch ops (env GPT_TORCH_THREADS)")
     p.add_argument("--model-name", help="model id shown by /info and /v1/models (env GPT_MODEL_NAME)")
     p.add_argument("--log-level", help="critical | error | warning | info | debug (env GPT_LOG_LEVEL)")
+    p.add_argument("--engine", help="process | thread: where the engine core runs (env GPT_ENGINE, default process)")
+    p.add_argument("--api-servers", type=int, help="HTTP front processes on one engine core (env GPT_API_SERVERS, "
+                   "default 1)")
     p.add_argument("--version", action="version", version=f"gpt-serve {__version__}")
     return p.parse_args(argv)
 
@@ -56,14 +63,30 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.service = service
         self._drain_started = False
+        self.exit_code = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        service.on_engine_dead = self.engine_died
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def engine_died(self, reason: str) -> None:
+        """(On the event loop.) The core is gone: the streams already got their final error events; exit 1 so
+        compose / Kubernetes restart the server. If uvicorn's shutdown hangs, exit anyway."""
+        self.exit_code = 1
+        self.service.begin_drain()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.2, setattr, self, "should_exit", True)
+        loop.call_later(10.0, os._exit, 1)
 
     def handle_exit(self, sig, frame) -> None:
         if self._drain_started:
             # A second signal: the operator wants out now. Exit at once with status 0; os._exit skips the
             # interpreter teardown that would otherwise abort while the engine thread is inside torch
             # ("terminate called without an active exception", SIGABRT).
-            log.warning("second signal during the drain: exiting now, abandoning %d running requests",
-                        self.service.engine.n_running if self.service.engine else 0)
+            log.warning("second signal during the drain: exiting now, abandoning %d requests in flight",
+                        self.service.engine.n_in_flight if self.service.engine else 0)
             logging.shutdown()
             sys.stderr.flush()
             os._exit(0)
@@ -78,7 +101,9 @@ class DrainingServer(uvicorn.Server):
         # Past the timeout the service stops the engine, which ends every open request with an error item:
         # each stream sends its final error event (and [DONE] on OpenAI streams) and closes normally, so
         # uvicorn finds no open response to cut and nothing logs a traceback.
-        if not self.service.drain(self.service.settings.shutdown_timeout_s):
+        done = asyncio.run_coroutine_threadsafe(self.service.drain(self.service.settings.shutdown_timeout_s),
+                                                self.loop)
+        if not done.result():
             time.sleep(0.2)  # let the streams write their last event
         self.should_exit = True  # uvicorn closes the listener, waits for open responses, runs the lifespan shutdown
 
@@ -91,17 +116,36 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    loaded = core = None
     try:
-        loaded = load_model(settings)
+        if settings.engine == "thread":
+            loaded = load_model(CoreConfig.from_settings(settings))
+        else:
+            core = CoreHandle.start(settings)
     except StartupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    app = create_app(settings, loaded=loaded)
+    if settings.api_servers > 1:
+        from app.launcher import run_fronts
+
+        return run_fronts(settings, core)
+    try:
+        return serve(settings, loaded=loaded, core=core)
+    finally:
+        if core is not None and core.process is not None:
+            core.process.stop()
+
+
+def serve(settings, loaded=None, core: CoreHandle | None = None, front_index: int = 0, sockets=None) -> int:
+    """One HTTP front under uvicorn (draining on SIGTERM); its exit code."""
+    app = create_app(settings, loaded=loaded, core=core, front_index=front_index)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_s)))
     server = DrainingServer(config, app.state.service)
-    server.run()
-    return 0 if server.started else 1
+    server.run(sockets=sockets)
+    if not server.started:
+        return 1
+    return server.exit_code
 
 
 if __name__ == "__main__":

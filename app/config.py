@@ -62,6 +62,11 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(None, ge=1, le=1024, description="CPU threads for torch ops "
                                                                      "(default: torch's choice)")
     warmup: bool = Field(True, description="run a short generation before /health reports ready")
+    engine: Literal["process", "thread"] = Field(
+        "process", description="where the engine core runs: its own process (the HTTP front never holds the "
+                               "model's GIL), or a thread of the server's process (tests, debugging)")
+    api_servers: int = Field(1, ge=1, le=64, description="HTTP front processes sharing the port and one engine core "
+                                                        "process (vLLM's --api-server-count)")
     cuda_graphs: bool | None = Field(None, description="decode from CUDA graphs captured at warm-up (default: on "
                                                        "with CUDA; kept only if a replay equals eager decoding)")
     chat_template: Path | None = Field(None, description="a Jinja chat template file for /v1/chat/completions "
@@ -79,7 +84,7 @@ class Settings(BaseSettings):
             raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {v!r}")
         return v
 
-    @field_validator("dtype", "log_level", mode="before")
+    @field_validator("dtype", "log_level", "engine", mode="before")
     @classmethod
     def _lower(cls, v):
         return v.strip().lower() if isinstance(v, str) else v

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from enum import Enum
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,6 +33,33 @@ STATUS_TYPES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: 
 OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 429: "rate_limit_error", 504: "timeout_error"}
 OPENAI_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+# The engine's error kinds (model/engine_io.py) as HTTP statuses: the one place they are mapped.
+KIND_STATUS = {"overloaded": 429, "unavailable": 503, "shutdown": 503, "timeout": 504, "failed": 500, "invalid": 422}
+KIND_TYPES = {"overloaded": "overloaded", "unavailable": "unavailable", "shutdown": "unavailable",
+              "timeout": "timeout", "failed": "generation", "invalid": "validation"}
+
+
+def status_of(kind) -> int:
+    """HTTP status of an engine ErrorKind."""
+    return KIND_STATUS.get(str(kind), 500)
+
+
+def error_type_of(kind) -> str:
+    """The API's error_type of an engine ErrorKind (TGI's names: overloaded, generation, ...)."""
+    return KIND_TYPES.get(str(kind), "generation")
+
+
+def outcome_labels(outcome) -> tuple[int, str]:
+    """(status, finish_reason) labels of a finished request for gpt_requests_total: a FinishReason (200), an
+    ErrorKind, or "cancelled" (the client went away: 499, nginx's code)."""
+    if outcome == "cancelled":
+        return 499, "cancelled"
+    if isinstance(outcome, Enum) and str(outcome) in KIND_STATUS:
+        kind = str(outcome)
+        return status_of(kind), {"failed": "error", "invalid": "error"}.get(kind, kind)
+    return 200, str(outcome)
 
 
 class ApiError(StarletteHTTPException):

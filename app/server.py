@@ -17,19 +17,22 @@ from app.errors import install_error_handlers
 from app.guards import BodySizeLimit, JSONCORSMiddleware
 from app.openapi import limits_in_openapi
 from app.routes import classify, openai, ops, tgi
-from app.service import Loaded, Service, lifespan
+from app.service import CoreHandle, Service, lifespan
 
 DESCRIPTION = ("GPT text generation with continuous batching. TGI routes (/generate, /generate_stream, POST /), "
                "OpenAI routes (/v1/completions, /v1/chat/completions, /v1/models) and vLLM's /tokenize. "
                "Bodies must be `Content-Type: application/json`.")
 
 
-def create_app(settings: Settings | None = None, *, loaded: Loaded | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, loaded=None, core: CoreHandle | None = None,
+               front_index: int = 0) -> FastAPI:
+    """`loaded`: a checkpoint already loaded for GPT_ENGINE=thread; `core`: an engine core process already started
+    (otherwise the lifespan loads or starts it)."""
     settings = settings or load_settings()
     _configure_logging(settings)
     app = FastAPI(title="gpt-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan,
                   docs_url=None, redoc_url=None)  # served by app.routes.ops from local assets
-    app.state.service = service = Service(settings, loaded)
+    app.state.service = service = Service(settings, loaded, core, front_index)
     install_error_handlers(app, on_refusal=lambda status: service.metrics.count_request(status, "rejected"))
     app.include_router(ops.router)
     app.include_router(tgi.router)

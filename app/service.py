@@ -1,8 +1,10 @@
-"""The service behind the routes: load the checkpoint, run the engine, admit validated plans, drain.
+"""The service behind the routes: the engine client, the model's limits, admission, drain, metrics hooks.
 
-`lifespan` is the app's FastAPI lifespan: it loads the model (unless it was passed in already loaded, as
-`python -m app` and `app.main` do, so that a bad checkpoint ends the process with one line before the server
-starts) and starts the engine; the warm-up runs on the engine thread while /health answers 503.
+`lifespan` is the app's FastAPI lifespan. With GPT_ENGINE=process (the default) the engine core runs in its own
+process (`app.engine.core_process`): `python -m app` and `app.main` start it before the server so a bad checkpoint
+ends the process with one line; otherwise the lifespan starts it. This process then reads only the checkpoint's
+config and tokenizer. With GPT_ENGINE=thread the model is loaded here and the same core loop runs on a thread.
+Either way the warm-up runs in the core while /health answers 503.
 """
 
 from __future__ import annotations
@@ -11,115 +13,119 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
-import torch
 from fastapi import FastAPI, Request
 
 from app.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from app.config import DTYPE_NAMES, Settings, SettingsError, default_max_batch_size, resolve_device, resolve_dtype
-from app.engine import Engine, EngineError, GenerationRequest, QueueFullError
-from app.errors import ApiError
+from app.config import Settings
+from app.engine.client import EngineClient, EngineError, ProcessEngineClient, ThreadEngineClient
+from app.engine.core_process import CoreConfig, CoreProcess, StartupError, build_core, load_model
+from app.engine.output_processor import RequestState
+from app.errors import ApiError, outcome_labels, status_of
 from app.metrics import Metrics
 from app.validation import Limits, Plan
-from model.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from model.task_head import Task, TaskError, load_task
+from model.checkpoint import CheckpointError, read_checkpoint
 
 log = logging.getLogger("app")
 
-
-class StartupError(RuntimeError):
-    """The server cannot start; the message is one line."""
+__all__ = ["CoreHandle", "Service", "StartupError", "get_service", "lifespan", "load_model"]
 
 
 @dataclass
-class Loaded:
-    checkpoint: Checkpoint
-    device: torch.device
-    dtype: torch.dtype
-    seconds: float
+class CoreHandle:
+    """A running engine core process to attach to: its address, pid and load info (`process` when this process
+    started it and stops it at shutdown)."""
 
+    address: str
+    pid: int
+    info: dict[str, Any]
+    process: CoreProcess | None = None
 
-def load_model(settings: Settings) -> Loaded:
-    """Resolve device and dtype and load the checkpoint; StartupError with a one-line reason on failure."""
-    t0 = time.perf_counter()
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
-    try:
-        device = resolve_device(settings.device)
-        dtype = resolve_dtype(settings.dtype, device)
-    except SettingsError as e:
-        raise StartupError(str(e)) from None
-    try:
-        ckpt = load_checkpoint(settings.checkpoint, device=device, dtype=dtype)
-    except CheckpointError as e:
-        raise StartupError(f"cannot load checkpoint: {e}") from None
-    except (OSError, RuntimeError, ValueError) as e:  # e.g. out of GPU memory
-        raise StartupError(f"cannot load checkpoint {settings.checkpoint}: {type(e).__name__}: {e}") from None
-    return Loaded(ckpt, device, dtype, time.perf_counter() - t0)
+    @classmethod
+    def start(cls, settings: Settings) -> CoreHandle:
+        """(Blocking.) Start the core process and wait until it has loaded the model; StartupError otherwise."""
+        proc = CoreProcess(CoreConfig.from_settings(settings))
+        proc.start()
+        info = proc.wait_loaded()
+        return cls(proc.address, proc.pid, info, proc)
 
 
 class Service:
-    """Everything the routes share: settings, the loaded model, the engine, metrics, the drain flag."""
+    """Everything the routes share: settings, the engine client, limits, metrics, the drain flag."""
 
-    def __init__(self, settings: Settings, loaded: Loaded | None = None) -> None:
+    def __init__(self, settings: Settings, loaded=None, core: CoreHandle | None = None,
+                 front_index: int = 0) -> None:
         self.settings = settings
-        self.loaded = loaded
+        self.loaded = loaded  # thread mode: (checkpoint, device, dtype, seconds) already loaded by the caller
+        self.core = core
+        self.front_index = front_index
         self.metrics = Metrics()
-        self.engine: Engine | None = None
+        self.engine: EngineClient | None = None
         self.limits: Limits | None = None
         self.chat_template: ChatTemplate | None = None
-        self.task: Task | None = None  # the fine-tuned task head (/classify), when the checkpoint has one
+        self.tokenizer = None
+        self.config = None
+        self.metadata: dict[str, Any] = {}
+        self.checkpoint_path = settings.checkpoint
         self.draining = False
         self.started_at = time.time()
         self.api_key = settings.api_key.get_secret_value() if settings.api_key else None
-        self.metrics.bind_engine(lambda: self.engine.n_queued if self.engine else 0,
-                                 lambda: self.engine.n_running if self.engine else 0)
+        self.on_engine_dead: Callable[[str], None] | None = None  # set by the launchers: exit non-zero
+        self.metrics.bind_engine(lambda: self.engine.stats if self.engine else {})
 
     # ---- lifecycle
     async def startup(self) -> None:
-        if self.loaded is None:
-            log.info("loading checkpoint %s", self.settings.checkpoint)
-            self.loaded = await asyncio.to_thread(load_model, self.settings)
-        ckpt, s = self.loaded.checkpoint, self.settings
+        s = self.settings
+        capacity_of = lambda slots: -(-(slots + s.max_queue) // max(1, s.api_servers))  # noqa: E731
+        hooks = dict(on_token=self._on_token, on_end=self._on_end, on_dead=self._on_dead, name=str(self.front_index))
+        if s.engine == "thread":
+            if self.loaded is None:
+                log.info("loading checkpoint %s", s.checkpoint)
+                self.loaded = await asyncio.to_thread(load_model, CoreConfig.from_settings(s))
+            ckpt = self.loaded[0]
+            self.tokenizer, self.config, self.metadata, self.checkpoint_path = (ckpt.tokenizer, ckpt.config,
+                                                                                ckpt.metadata, ckpt.path)
+            core, info, classify = build_core(CoreConfig.from_settings(s), self.loaded)
+            self.engine = ThreadEngineClient(core, self.tokenizer, info=info, classify=classify, warmup=s.warmup,
+                                             capacity=capacity_of(info["max_batch_size"]), **hooks)
+        else:
+            try:
+                self.config, self.tokenizer, self.metadata = read_checkpoint(s.checkpoint)
+            except CheckpointError as e:
+                raise StartupError(f"cannot load checkpoint: {e}") from None
+            if self.core is None:
+                log.info("starting the engine core process for %s", s.checkpoint)
+                self.core = await asyncio.to_thread(CoreHandle.start, s)
+            info = self.core.info
+            self.engine = ProcessEngineClient(self.core.address, self.core.pid, self.tokenizer,
+                                              capacity=capacity_of(info["max_batch_size"]), **hooks)
+        self.engine.info = info
         try:
-            self.chat_template = load_chat_template(ckpt.path, self._eos_text(), s.chat_template)
+            self.chat_template = load_chat_template(self.checkpoint_path, self._eos_text(), s.chat_template)
         except ChatTemplateError as e:
             raise StartupError(str(e)) from None
-        try:
-            self.task = load_task(ckpt.path, ckpt.model, self.loaded.device)
-        except TaskError as e:
-            raise StartupError(f"cannot load the task head: {e}") from None
-        block = ckpt.config.block_size
-        if s.max_batch_size is None:
-            s.max_batch_size = default_max_batch_size(ckpt.config.n_layer, ckpt.config.n_embd, block,
-                                                      self.loaded.device, self.loaded.dtype,
-                                                      s.kv_cache_memory_fraction)
+        block = self.config.block_size
+        slots = info["max_batch_size"]
+        s.max_batch_size = slots
         self.limits = Limits(
             block_size=block,
             max_prompt_tokens=min(s.max_prompt_tokens or block - 1, block - 1),
             max_new_tokens=min(s.max_new_tokens or block - 1, block - 1),
             default_max_new_tokens=s.default_max_new_tokens,
             max_stop_sequences=s.max_stop_sequences, max_stop_length=s.max_stop_length,
-            max_top_n_tokens=s.max_top_n_tokens, vocab_size=ckpt.tokenizer.vocab_size,
-            max_choices=s.max_batch_size + s.max_queue)
-        try:
-            self.engine = Engine(ckpt.model, ckpt.tokenizer, max_batch_size=s.max_batch_size, max_queue=s.max_queue,
-                                 prefill_chunk=s.prefill_chunk, metrics=self.metrics, warmup=s.warmup,
-                                 cuda_graphs=s.cuda_graphs)
-        except (RuntimeError, ValueError) as e:  # e.g. the KV cache does not fit in memory
-            raise StartupError(f"cannot allocate the KV cache ({s.max_batch_size} slots x {block} tokens): "
-                               f"{type(e).__name__}: {e}") from None
-        self.engine.start()
-        log.info("serving %s (%s parameters, context %d) on %s/%s, %d slots, chat template: %s; loaded in %.1f s",
-                 ckpt.path, f"{ckpt.model.num_params():,}", block, self.loaded.device,
-                 DTYPE_NAMES.get(self.loaded.dtype, str(self.loaded.dtype)), s.max_batch_size,
-                 self.chat_template.origin, self.loaded.seconds)
+            max_top_n_tokens=s.max_top_n_tokens, vocab_size=self.tokenizer.vocab_size,
+            max_choices=slots + s.max_queue)
+        await self.engine.start()
+        log.info("serving %s (%s parameters, context %d) on %s/%s, %d slots, engine in a %s, chat template: %s",
+                 self.checkpoint_path, f"{info['n_params']:,}", block, info["device"], info["dtype"], slots,
+                 "thread" if s.engine == "thread" else f"process (pid {self.core.pid})", self.chat_template.origin)
 
     def _eos_text(self) -> str:
-        tok = self.loaded.checkpoint.tokenizer
+        tok = self.tokenizer
         try:
             return tok.decode([tok.eot_id]) if tok.eot_id is not None else ""
         except (KeyError, ValueError):
@@ -127,44 +133,75 @@ class Service:
 
     def begin_drain(self) -> None:
         if not self.draining:
-            log.info("draining: refusing new requests, finishing %d running and %d queued",
-                     self.engine.n_running if self.engine else 0, self.engine.n_queued if self.engine else 0)
+            log.info("draining: refusing new requests, finishing %d in flight",
+                     self.engine.n_in_flight if self.engine else 0)
         self.draining = True
         if self.engine:
-            self.engine.begin_drain()
+            self.engine.accepting = False
 
-    def drain(self, timeout_s: float) -> bool:
-        """(Blocking.) Wait up to `timeout_s` for running requests; past it, end them: each open stream gets a
-        final error event. True when everything finished in time."""
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the requests in flight; past it, end them: each open stream gets a final
+        error event. True when everything finished in time."""
         self.begin_drain()
-        if self.engine is None:
+        if self.engine is None or await self.engine.wait_idle(timeout_s):
             return True
-        if self.engine.wait_idle(timeout_s):
-            return True
-        log.warning("drain timed out after %.0f s; ending %d running and %d queued requests with an error",
-                    timeout_s, self.engine.n_running, self.engine.n_queued)
-        self.engine.stop()  # sends every remaining request a 503 'the server shut down' item
+        log.warning("drain timed out after %.0f s; ending %d requests with an error", timeout_s,
+                    self.engine.n_in_flight)
+        await self.stop_engine()
         return False
 
+    async def stop_engine(self) -> None:
+        """Stop the engine: requests still in it end with a 503 'the server shut down' item."""
+        if self.engine is None:
+            return
+        if isinstance(self.engine, ProcessEngineClient):
+            own = self.core is not None and self.core.process is not None
+            await self.engine.close(stop_core=own)
+            if own:
+                await asyncio.to_thread(self.core.process.stop)
+        else:
+            await self.engine.close()
+
     async def shutdown(self) -> None:
-        await asyncio.to_thread(self.drain, self.settings.shutdown_timeout_s)
-        if self.engine:
-            await asyncio.to_thread(self.engine.stop)
+        await self.drain(self.settings.shutdown_timeout_s)
+        await self.stop_engine()
+
+    def _on_dead(self, reason: str) -> None:
+        if self.on_engine_dead is not None:
+            self.on_engine_dead(reason)
+
+    # ---- metrics hooks (the engine layer knows nothing of HTTP statuses)
+    def _on_token(self, st: RequestState, first: bool, now: float, queue_s: float | None) -> None:
+        m = self.metrics
+        if first:
+            m.ttft.observe(now - st.arrival)
+            if queue_s is not None:
+                m.queue_time.observe(queue_s)
+        else:
+            m.itl.observe(now - st.last_token_at)
+
+    def _on_end(self, st: RequestState, outcome) -> None:
+        status, reason = outcome_labels(outcome)
+        self.metrics.count_request(status, reason)
+        self.metrics.latency.observe(time.monotonic() - st.arrival)
 
     # ---- state
     @property
     def status(self) -> str:
         if self.draining:
             return "draining"
+        if self.engine is not None and not self.engine.alive:
+            return "failed"
         if self.engine is None or not self.engine.ready.is_set():
             return "loading"
-        if self.engine.warmup_error or not self.engine.alive:
+        if self.engine.info.get("warmup_error"):
             return "failed"
         return "ready"
 
     @property
-    def tokenizer(self):
-        return self.loaded.checkpoint.tokenizer
+    def task(self) -> dict | None:
+        """The checkpoint's fine-tuned task head ({kind, labels}), when it has one."""
+        return self.engine.info.get("task") if self.engine else None
 
     def model_name(self) -> str:
         return self.settings.served_model_name()
@@ -185,28 +222,24 @@ class Service:
         if self.engine is None or self.limits is None:
             raise ApiError(503, "the model is loading")
 
-    def submit(self, plan: Plan) -> list[tuple[int, GenerationRequest]]:
+    def submit(self, plan: Plan) -> list[tuple[int, RequestState]]:
         """Admit every choice of the plan, or none: (choice index, request) pairs."""
-        reqs: list[tuple[int, GenerationRequest]] = []
+        reqs: list[tuple[int, RequestState]] = []
         try:
             for index, prompt, params in plan.choices():
-                try:
-                    req = GenerationRequest(prompt.ids, params, self.tokenizer,
-                                            timeout_s=self.settings.request_timeout_s, top_n=plan.top_n)
-                except ValueError as e:  # SamplingParams' own check; validation should have caught it first
-                    raise ApiError(422, f"parameters: {e}", "validation", param="parameters") from None
-                try:
-                    self.engine.submit(req)
-                except QueueFullError as e:
-                    raise ApiError(429, str(e), "overloaded", headers={"Retry-After": "1"}) from None
-                except EngineError as e:
-                    raise ApiError(e.status, str(e), e.error_type) from None
-                reqs.append((index, req))
-        except ApiError:
+                st = self.engine.add(prompt.ids, params, params.seed, top_n=plan.top_n,
+                                     timeout_s=self.settings.request_timeout_s)
+                reqs.append((index, st))
+        except EngineError as e:
             for _, r in reqs:
                 r.cancel()
-            raise
+            raise engine_error(e) from None
         return reqs
+
+
+def engine_error(e: EngineError) -> ApiError:
+    status = status_of(e.kind)
+    return ApiError(status, e.message, headers={"Retry-After": "1"} if status == 429 else None)
 
 
 def get_service(request: Request) -> Service:

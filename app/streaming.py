@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from app.engine import Failed, GenerationRequest, TokenOut
-from app.errors import ApiError
+from app.engine.output_processor import Failed, RequestState, TokenOut
+from app.errors import ApiError, error_type_of, status_of
 
 PING_S = 15.0
 DONE = b"data: [DONE]\n\n"
@@ -32,7 +32,7 @@ def sse(data: dict | str, prefix: str = "data:") -> bytes:
     return f"{prefix}{payload}\n\n".encode()
 
 
-async def watch_disconnect(receive: Receive, reqs: list[GenerationRequest], gone: Callable[[], None] | None = None
+async def watch_disconnect(receive: Receive, reqs: list[RequestState], gone: Callable[[], None] | None = None
                            ) -> None:
     """Wait for the client to go away, then cancel its requests (the engine frees the slots next step)."""
     while True:
@@ -46,7 +46,7 @@ async def watch_disconnect(receive: Receive, reqs: list[GenerationRequest], gone
             return
 
 
-async def merged(reqs: list[tuple[int, GenerationRequest]]) -> AsyncIterator[tuple[int, Item]]:
+async def merged(reqs: list[tuple[int, RequestState]]) -> AsyncIterator[tuple[int, Item]]:
     """(choice index, item) from several requests as they arrive; one request is passed straight through."""
     if len(reqs) == 1:
         index, r = reqs[0]
@@ -55,7 +55,7 @@ async def merged(reqs: list[tuple[int, GenerationRequest]]) -> AsyncIterator[tup
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, r: GenerationRequest) -> None:
+    async def pump(index: int, r: RequestState) -> None:
         try:
             async for item in r.events():
                 queue.put_nowait((index, item))
@@ -80,14 +80,14 @@ class ClientGone(Exception):
     """The client disconnected before the result was complete."""
 
 
-async def collect(receive: Receive, reqs: list[tuple[int, GenerationRequest]]) -> dict[int, list[TokenOut]]:
+async def collect(receive: Receive, reqs: list[tuple[int, RequestState]]) -> dict[int, list[TokenOut]]:
     """Wait for whole generations: {choice index: tokens}. Failed → its ApiError; a disconnect → ClientGone."""
     watcher = asyncio.create_task(watch_disconnect(receive, [r for _, r in reqs]))
     out: dict[int, list[TokenOut]] = {i: [] for i, _ in reqs}
     try:
         async for index, item in merged(reqs):
             if isinstance(item, Failed):
-                raise ApiError(item.status, item.message, item.error_type)
+                raise ApiError(status_of(item.kind), item.message, error_type_of(item.kind))
             out[index].append(item)
         if any(not toks or toks[-1].finished is None for toks in out.values()):
             raise ClientGone()
@@ -99,7 +99,7 @@ async def collect(receive: Receive, reqs: list[tuple[int, GenerationRequest]]) -
                 r.cancel()
 
 
-async def answer(receive: Receive, reqs: list[tuple[int, GenerationRequest]], stream: AsyncIterator[bytes] | None,
+async def answer(receive: Receive, reqs: list[tuple[int, RequestState]], stream: AsyncIterator[bytes] | None,
                  ping_s: float = PING_S) -> StreamingResponse | Response | dict[int, list[TokenOut]]:
     """The two ways a route answers: a stream of `stream`'s events when given, else the whole results
     ({choice index: tokens}), or a bare 499 when the client left first."""
@@ -114,7 +114,7 @@ async def answer(receive: Receive, reqs: list[tuple[int, GenerationRequest]], st
 class EventStream(StreamingResponse):
     """Server-sent events from an async iterator of encoded events, for the given requests."""
 
-    def __init__(self, events: AsyncIterator[bytes], reqs: list[GenerationRequest], ping_s: float = PING_S) -> None:
+    def __init__(self, events: AsyncIterator[bytes], reqs: list[RequestState], ping_s: float = PING_S) -> None:
         super().__init__(events, status_code=200, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.events, self.reqs, self.ping_s = events, reqs, ping_s

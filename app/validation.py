@@ -8,14 +8,13 @@ token, token ids within the vocabulary, how many choices one request may hold.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, replace
 
 from app.chat_template import ChatTemplate, ChatTemplateError
 from app.errors import invalid
 from app.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from app.protocol.tgi import TGIParameters, TGIRequest
-from model.sampling import GREEDY_TEMPERATURE, RANDOM_SEED_BITS, SamplingParams
+from model.sampling import GREEDY_TEMPERATURE, SamplingParams, draw_seed
 from model.tokenizer import Tokenizer
 
 
@@ -62,20 +61,20 @@ class Plan:
 
     def choices(self) -> list[tuple[int, Prompt, SamplingParams]]:
         """(choice index, prompt, params): prompt i's j-th choice is index i*n + j, as OpenAI numbers them.
-        Choice j is seeded `seed + j` so one seed gives n different, reproducible samples; without a seed,
-        n > 1 sampled choices get one random base seed (reported per choice by TGI-style details)."""
+        Choice j is seeded `seed + j` (the plan's seed: the request's, or the one drawn at validation), so one
+        seed gives n different, reproducible samples."""
         base = self.params.seed
-        if base is None and self.n > 1 and self.sampling:
-            base = random.getrandbits(RANDOM_SEED_BITS - 1)
-        out = []
-        for i, p in enumerate(self.prompts):
-            for j in range(self.n):
-                seed = base + j if base is not None else None
-                out.append((i * self.n + j, p, self.params if base is None else replace(self.params, seed=seed)))
-        return out
+        return [(i * self.n + j, p, replace(self.params, seed=base + j) if j else self.params)
+                for i, p in enumerate(self.prompts) for j in range(self.n)]
 
 
 # ---------------------------------------------------------------------------------------------- checks
+def seed_of(asked: int | None) -> int:
+    """The request's seed, or one drawn now: the only place a served request gets a random seed (TGI's
+    validation does the same); it is reported back, so any result can be reproduced."""
+    return asked if asked is not None else draw_seed()
+
+
 def check_stop(stop: str | list[str] | None, field_name: str, limits: Limits) -> list[str]:
     if stop is None:
         return []
@@ -162,7 +161,7 @@ def plan_tgi(req: TGIRequest, tokenizer: Tokenizer, limits: Limits, stream: bool
         top_p=p.top_p if p.top_p is not None else 1.0,
         repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
         frequency_penalty=p.frequency_penalty or 0.0,
-        seed=p.seed, stop=stop)
+        seed=seed_of(p.seed), stop=stop)
     return Plan([Prompt(ids, req.inputs)], params, sampling, top_n=top_n,
                 stream=bool(req.stream) if stream is None else stream,
                 details=bool(p.details), return_full_text=bool(p.return_full_text))
@@ -177,7 +176,7 @@ def _openai_params(req: CompletionRequest | ChatCompletionRequest, max_new: int,
         top_p=req.top_p if req.top_p is not None else 1.0,
         repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-        seed=req.seed, stop=stop)
+        seed=seed_of(req.seed), stop=stop)
 
 
 def plan_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Limits) -> Plan:

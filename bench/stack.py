@@ -186,7 +186,7 @@ def sampler_alone(batches: list[int], calls: int, vocab: int = CONFIG["vocab_siz
         def call():
             if done[0] >= calls + 29:
                 for i in range(B):
-                    s.admit(i, SamplingParams(seed=i, **kw), [1, 2, 3])
+                    s.admit(i, SamplingParams(**kw), [1, 2, 3], seed=i)
                 done[0] = 0
             s.step(logits[B], range(B))
             done[0] += 1

@@ -71,9 +71,9 @@ def read_config(path: str | Path) -> GPTConfig:
         raise CheckpointError(f"{file}: {e}") from e
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None) -> Checkpoint:
-    """Load and validate a checkpoint directory; the model comes back in eval mode on `device`."""
+def read_checkpoint(path: str | Path) -> tuple[GPTConfig, Tokenizer, dict[str, Any]]:
+    """A checkpoint's config, tokenizer and metadata, checked, without its weights (what a server's HTTP front
+    needs while another process loads the model)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")
@@ -88,6 +88,14 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"{tok_file}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
                               f"vocab_size is {config.vocab_size}")
+    return config, tokenizer, metadata
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None) -> Checkpoint:
+    """Load and validate a checkpoint directory; the model comes back in eval mode on `device`."""
+    path = Path(path)
+    config, tokenizer, metadata = read_checkpoint(path)
 
     weights = path / WEIGHTS
     if not weights.is_file():

@@ -1,26 +1,25 @@
-"""Generation: prefill, decode step, per-sequence state, and a batch loop.
+"""Generation for the library and the CLIs: a batch of prompts through the engine core.
 
-The split follows gpt-fast: `prefill` runs a whole prompt into a KV-cache slot
-(in chunks, so a server can interleave them with decode steps), `decode_step`
-runs one token for every active slot at once. `model.sampling.Sampler` holds the
-per-slot sampling state on the device and picks the tokens; `Sequence` owns what is
-per request on the host (parameters, seed, streaming detokenizer, stop strings,
-finish reason), so a scheduler only moves token ids around.
-`generate` / `stream_generate` drive a fixed batch of prompts to completion; the
-HTTP server uses the same pieces with requests joining and leaving between steps.
+`generate` / `stream_generate` validate the requests (parameters, context length, the seed drawn once
+here when none is given), then drive a `model.engine_core.EngineCore` to completion: the same scheduler,
+cache, sampler and step the server runs. `Sequence` is the reader's side of a request, as vLLM's output
+processor: it detokenizes the core's token ids as they stream, matches stop strings (and aborts the request
+in the core when one hits) and keeps the finish reason. `prefill` / `decode_step` are the bare model calls,
+kept for the benchmarks that time the model alone.
 """
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from model.engine_core import EngineCore
+from model.engine_io import EngineRequest
 from model.gpt import GPT
 from model.kv_cache import ContextLengthError, KVCache
-from model.sampling import RANDOM_SEED_BITS, Sampler, SamplingParams
+from model.sampling import SamplingParams, draw_seed
 from model.stopping import FinishReason, StopMatcher
 from model.tokenizer import Tokenizer
 
@@ -74,20 +73,17 @@ class TokenEvent:
 
 @dataclass
 class Sequence:
-    """Per-request generation state."""
+    """Per-request state on the reader's side: the tokens so far, their text, stop strings, the finish reason."""
 
     prompt: list[int]
     params: SamplingParams
     tokenizer: Tokenizer
+    seed: int
     tokens: list[int] = field(default_factory=list)
     events: list[TokenEvent] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
     def __post_init__(self) -> None:
-        self.params.validate()
-        # a seed is always chosen up front and reported, so any result can be reproduced
-        self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(RANDOM_SEED_BITS)
-        self._eot = self.tokenizer.eot_id if self.params.stop_at_eos else None
         self._detok = self.tokenizer.stream_decoder()
         self._stops = StopMatcher(self.params.stop)
 
@@ -99,39 +95,33 @@ class Sequence:
     def text(self) -> str:
         return "".join(e.text for e in self.events if not e.special)
 
-    def append(self, token_id: int, logprob: float) -> TokenEvent:
-        """Record a sampled token, release the text it completes and decide whether the sequence is done."""
+    def append(self, token_id: int, logprob: float, finish: FinishReason | None = None) -> TokenEvent:
+        """Record a token from the core (`finish`: the core ended the request with it, EOS or LENGTH), release
+        the text it completes and decide whether a stop string ended the request here."""
         self.tokens.append(token_id)
-        if token_id == self._eot:
+        if finish == FinishReason.EOS:
             # the special token itself adds no text; release anything still held back
             ev = TokenEvent(token_id, self._detok.flush() + self._stops.flush(), logprob, special=True,
                             finish_reason=FinishReason.EOS)
         else:
             piece = self._detok.feed(token_id)
-            at_limit = len(self.tokens) >= self.params.max_new_tokens
-            if at_limit:
+            if finish is not None:
                 piece += self._detok.flush()
             text, stopped = self._stops.feed(piece)
             ev = TokenEvent(token_id, text, logprob)
             if stopped:
                 ev.finish_reason = FinishReason.STOP
-            elif at_limit:
+            elif finish is not None:
                 ev.text += self._stops.flush()
-                ev.finish_reason = FinishReason.LENGTH
+                ev.finish_reason = finish
         self.finish_reason = ev.finish_reason
         self.events.append(ev)
         return ev
 
 
-def sample_into(sampler: Sampler, logits: torch.Tensor, slots: range | list[int],
-                seqs: list[Sequence]) -> list[TokenEvent]:
-    """Pick one token per slot from logits (B, vocab), append each to its sequence, return the events."""
-    return [s.append(d.token, d.logprob) for s, d in zip(seqs, sampler.step(logits, slots))]
-
-
 def make_sequences(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],
                    params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
-    """Validate each request (parameters, context length) and build its state."""
+    """Validate each request (parameters, context length), draw the seeds of those without one, build the state."""
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     if len(params) != len(prompts):
@@ -139,62 +129,41 @@ def make_sequences(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],
     for p, sp in zip(prompts, params):
         sp.validate()
         check_context(len(p), sp.max_new_tokens, model.config.block_size)
-    return [Sequence(list(p), sp, tokenizer) for p, sp in zip(prompts, params)]
+    return [Sequence(list(p), sp, tokenizer, sp.seed if sp.seed is not None else draw_seed())
+            for p, sp in zip(prompts, params)]
 
 
-def run_batch(model: GPT, seqs: list[Sequence], prefill_chunk: int | None = None,
-              ) -> Iterator[tuple[int, TokenEvent]]:
-    """Drive sequences to completion together; yields (index, event) as tokens arrive.
-
-    Every sequence gets its own cache slot; finished ones leave the batch, so each
-    decode step runs only the live ones.
-    """
-    param = next(model.parameters())
-    max_len = max(len(s.prompt) + s.params.max_new_tokens for s in seqs)
-    cache = KVCache(model.config, len(seqs), max_len, dtype=param.dtype, device=param.device)
-    sampler = Sampler(len(seqs), seqs[0].tokenizer.vocab_size, max_len, param.device)
-    for i, seq in enumerate(seqs):
-        sampler.admit(i, seq.params, seq.prompt, seed=seq.seed)
-    # Prompts of the same length are prefilled together: one (n, T) pass reads the weights once
-    # instead of n times (the same math; the batch changes only the rounding, as in decode).
-    groups: dict[int, list[int]] = {}
-    for i, seq in enumerate(seqs):
-        groups.setdefault(len(seq.prompt), []).append(i)
-    for rows in groups.values():
-        logits = prefill(model, cache, rows, [seqs[i].prompt for i in rows], prefill_chunk)
-        for i, ev in zip(rows, sample_into(sampler, logits, rows, [seqs[i] for i in rows])):
-            yield i, ev
-    live = list(range(len(seqs)))  # live[slot] = index of the sequence in that slot
-    while live := _compact(cache, sampler, live, seqs):
-        slots = range(len(live))
-        logits = decode_step(model, cache, slots, sampler.last[:len(live)])
-        for i, ev in zip(live, sample_into(sampler, logits, slots, [seqs[i] for i in live])):
-            yield i, ev
-
-
-def _compact(cache: KVCache, sampler: Sampler, live: list[int], seqs: list[Sequence]) -> list[int]:
-    """Drop finished sequences and move the others down to slots 0..n-1, so decode steps read views."""
-    keep = [slot for slot, i in enumerate(live) if not seqs[i].done]
-    if len(keep) != len(live):
-        moves = [(src, dst) for dst, src in enumerate(keep) if src != dst]
-        if moves:
-            src, dst = [m[0] for m in moves], [m[1] for m in moves]
-            cache.move(src, dst)
-            sampler.move(src, dst)
-    return [live[slot] for slot in keep]
+def run(model: GPT, seqs: list[Sequence], prefill_chunk: int | None = None) -> Iterator[tuple[int, TokenEvent]]:
+    """Drive sequences to completion through one engine core (a slot each); yields (index, event) per token."""
+    tokenizer = seqs[0].tokenizer
+    core = EngineCore(model, n_slots=len(seqs), vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eot_id,
+                      max_len=max(len(s.prompt) + s.params.max_new_tokens for s in seqs),
+                      prefill_chunk=prefill_chunk, cuda_graphs=False, pad_vocab=False)
+    for i, s in enumerate(seqs):
+        core.add(EngineRequest(str(i), s.prompt, s.params, s.seed))
+    while core.has_work():
+        for out in core.step():
+            if out.error is not None:
+                raise RuntimeError(out.message)
+            i = int(out.request_id)
+            for token, logprob in zip(out.token_ids, out.logprobs):
+                ev = seqs[i].append(token, logprob, out.finish)
+                if ev.finish_reason is not None and out.finish is None:  # a stop string: the core stops too
+                    core.abort([out.request_id])
+                yield i, ev
 
 
 def stream_generate(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],
                     params: SamplingParams | list[SamplingParams],
                     prefill_chunk: int | None = None) -> Iterator[tuple[int, TokenEvent]]:
     """Generate for a batch of prompts together, yielding (prompt index, event) per token."""
-    yield from run_batch(model, make_sequences(model, tokenizer, prompts, params), prefill_chunk)
+    yield from run(model, make_sequences(model, tokenizer, prompts, params), prefill_chunk)
 
 
 def generate(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],
              params: SamplingParams | list[SamplingParams], prefill_chunk: int | None = None) -> list[Sequence]:
     """Generate for a batch of prompts together; returns the finished sequences in prompt order."""
     seqs = make_sequences(model, tokenizer, prompts, params)
-    for _ in run_batch(model, seqs, prefill_chunk):
+    for _ in run(model, seqs, prefill_chunk):
         pass
     return seqs

@@ -99,6 +99,12 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+def draw_seed() -> int:
+    """A random seed for a request that names none: the one place seeds are drawn (at validation: the
+    server's app/validation.py, the library's model.generate.make_sequences); everything after requires one."""
+    return secrets.randbits(RANDOM_SEED_BITS)
+
+
 # ---------------------------------------------------------------------------------------------- noise
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A bijective 32-bit integer mixer on int64 tensors holding values in [0, 2^32)."""
@@ -214,16 +220,11 @@ class Sampler:
         self.read_backs = 0  # device→host copies made (tests count them)
 
     # ------------------------------------------------------------------ slots
-    def admit(self, slot: int, params: SamplingParams, prompt: list[int], seed: int | None = None,
-              top_n: int = 0) -> int:
-        """Write a request's parameters and prompt into `slot`; returns the seed used.
-
-        The seed is `seed`, else `params.seed`, else a random one (reported so the result can be reproduced).
+    def admit(self, slot: int, params: SamplingParams, prompt: list[int], seed: int, top_n: int = 0) -> None:
+        """Write a request's parameters, seed and prompt into `slot` (the seed was drawn at validation).
         `top_n`: also report the top_n most likely tokens at every step (logprobs alternatives).
         """
         n = len(prompt)
-        if seed is None:
-            seed = params.seed if params.seed is not None else secrets.randbits(RANDOM_SEED_BITS)
         if not 0 < n <= self.max_len:
             raise ValueError(f"prompt of {n} tokens does not fit the sampler's {self.max_len} positions")
         greedy = params.greedy
@@ -249,7 +250,6 @@ class Sampler:
             presence_frequency=params.presence_penalty != 0.0 or params.frequency_penalty != 0.0,
             unit_temperature=greedy or params.temperature == 1.0, top_n=top_n)
         self._plans.clear()
-        return seed
 
     def release(self, slot: int) -> None:
         self._kinds[slot] = None

@@ -362,11 +362,11 @@ def test_non_json_content_type_is_415(client, route, content_type):
     """A simple cross-site POST (form or text/plain: no CORS preflight) must not reach the model."""
     body = b'{"inputs": "a", "prompt": "a", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}'
     headers = {"Content-Type": content_type} if content_type else {}
-    before = engine_of(client).stats()
+    before = engine_of(client).stats
     r = client.post(route, content=body, headers=headers)
     assert_error(r, 415, error_type=None)
     assert "application/json" in r.text
-    assert engine_of(client).stats()["prefill_chunks"] == before["prefill_chunks"]  # nothing reached the engine
+    assert engine_of(client).stats["prefill_chunks"] == before["prefill_chunks"]  # nothing reached the engine
     ok = client.post(route, content=body, headers={"Content-Type": "application/json; charset=utf-8"})
     assert ok.status_code == 200, ok.text
 
@@ -460,16 +460,16 @@ def test_metrics_count_requests_and_tokens(tiny_ckpt):  # noqa: F811
 def test_health_is_503_while_warming_up_and_requests_wait(tiny_ckpt, monkeypatch):  # noqa: F811
     from fastapi.testclient import TestClient
 
-    from app.engine import Engine
+    from model.engine_core import EngineCore
 
     gate = threading.Event()
-    original = Engine._warmup
+    original = EngineCore.warmup
 
     def slow_warmup(self):
         gate.wait(10)
         original(self)
 
-    monkeypatch.setattr(Engine, "_warmup", slow_warmup)
+    monkeypatch.setattr(EngineCore, "warmup", slow_warmup)
     with TestClient(make_app(tiny_ckpt)) as c:
         r = c.get("/health")
         assert_error(r, 503, error_type="unavailable")
@@ -558,12 +558,11 @@ def test_live_is_503_when_the_engine_thread_died(tiny_ckpt):  # noqa: F811
     with app_client(tiny_ckpt) as c:
         engine = engine_of(c)
 
-        def die():
-            raise SystemExit  # ends the worker thread quietly (threading ignores SystemExit)
+        def die(client, msg):
+            raise SystemExit  # ends the core loop's thread, outside any step's try
 
-        engine._expire_waiting = die  # called at the top of every loop iteration, outside the step's try
-        with engine._cv:
-            engine._cv.notify()
+        engine.core_loop.handle = die
+        engine.resume()  # any message reaches handle()
         end = time.monotonic() + 10
         while engine.alive and time.monotonic() < end:
             time.sleep(0.01)
@@ -573,4 +572,3 @@ def test_live_is_503_when_the_engine_thread_died(tiny_ckpt):  # noqa: F811
         body = r.json()
         assert body["error_type"] == "unavailable" and "engine" in body["error"] and body["status"] == "dead"
         assert c.get("/health").status_code == 503  # readiness fails too
-        del engine._expire_waiting  # so the lifespan shutdown's stop() finds nothing odd

@@ -39,7 +39,7 @@ def live(tiny_ckpt):  # noqa: F811
 @pytest.fixture(scope="module")
 def ref(live):
     """reference_generate for this server's checkpoint, memoised: ref(prompt, **params)."""
-    path = live.app.state.service.loaded.checkpoint.path
+    path = live.app.state.service.checkpoint_path
 
     @functools.cache
     def cached(prompt: str, items: tuple):

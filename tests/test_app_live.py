@@ -84,9 +84,9 @@ def test_eight_concurrent_requests_get_their_solo_results_and_run_batched(live):
     for a, b in zip(together, solo):
         assert [t["logprob"] for t in a["details"]["tokens"]] == pytest.approx(
             [t["logprob"] for t in b["details"]["tokens"]], abs=1e-4)
-    assert engine.max_batch_seen == 8
+    assert engine.stats["max_batch_seen"] == 8
     # and the greedy ones are the model's own solo generation
-    ref = reference_generate(live.app.state.service.loaded.checkpoint.path, "hello", max_new_tokens=20, temperature=0)
+    ref = reference_generate(live.app.state.service.checkpoint_path, "hello", max_new_tokens=20, temperature=0)
     assert solo[0]["generated_text"] == ref.text
 
 
@@ -142,7 +142,7 @@ def test_client_disconnect_while_waiting_for_a_plain_response(live):
 
 def test_openai_sdk(live):
     openai = pytest.importorskip("openai")
-    ref = reference_generate(live.app.state.service.loaded.checkpoint.path, "hello", max_new_tokens=8, temperature=0)
+    ref = reference_generate(live.app.state.service.checkpoint_path, "hello", max_new_tokens=8, temperature=0)
     client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
     c = client.completions.create(model="tiny", prompt="hello", max_tokens=8, temperature=0, logprobs=2)
     assert c.choices[0].text == ref.text and c.choices[0].finish_reason == "length"
@@ -165,7 +165,7 @@ def test_openai_sdk(live):
 
 def test_huggingface_inference_client(live):
     hub = pytest.importorskip("huggingface_hub")
-    path = live.app.state.service.loaded.checkpoint.path
+    path = live.app.state.service.checkpoint_path
     ref = reference_generate(path, "hello", max_new_tokens=8, temperature=0)
     hf = hub.InferenceClient(base_url=live.url)
     assert hf.text_generation("hello", max_new_tokens=8) == ref.text  # no sampling parameter: greedy (TGI)

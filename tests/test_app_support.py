@@ -44,8 +44,10 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 def make_settings(ckpt: Path, **overrides):
     from app.config import load_settings
 
+    # the engine on a thread of the test process (tests reach into its model); tests/test_core_process.py and
+    # the live tests run the core process, the server's default
     base = dict(checkpoint=ckpt, device="cpu", max_batch_size=8, max_queue=16, prefill_chunk=32,
-                request_timeout_s=30, log_level="warning")
+                request_timeout_s=30, log_level="warning", engine="thread")
     return load_settings(**{**base, **overrides})
 
 

@@ -105,12 +105,12 @@ def test_json_content_types_accepted(client):
 
 def test_simple_cross_site_post_is_refused_before_the_model(client):
     # what a form on another site can send without a CORS preflight
-    before = client.app.state.service.engine.stats()["prefill_chunks"]
+    before = client.app.state.service.engine.stats["prefill_chunks"]
     r = client.post("/generate", data={"inputs": "a"}, headers={"Origin": "https://evil.example"})
     assert r.status_code == 415 and r.json()["error_type"] == "unsupported_media_type"
     r = client.post("/v1/completions", content=b'{"prompt": "a"}', headers={"Content-Type": "text/plain"})
     assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
-    assert client.app.state.service.engine.stats()["prefill_chunks"] == before
+    assert client.app.state.service.engine.stats["prefill_chunks"] == before
 
 
 @pytest.mark.parametrize("route,openai", [("/generate", False), ("/v1/chat/completions", True)])

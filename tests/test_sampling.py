@@ -87,7 +87,7 @@ def test_temperature_zero_is_argmax_with_raw_logprobs():
     logits[2, 700] = logits[2, 10] = 9.0  # a tie: the first index wins, as torch.argmax
     s = Sampler(5, 1000, 4)
     for i in range(5):
-        s.admit(i, SamplingParams(temperature=0.0), [1])
+        s.admit(i, SamplingParams(temperature=0.0), [1], seed=i)
     out = s.step(logits, range(5))
     assert [d.token for d in out] == logits.argmax(-1).tolist()
     torch.testing.assert_close(torch.tensor([d.logprob for d in out]), torch.log_softmax(logits, -1).max(-1).values)
@@ -134,7 +134,7 @@ def test_top_p_never_leaves_the_nucleus_on_a_large_vocabulary():
     logits = torch.randn(B, V, generator=gen) * 0.3
     s = Sampler(B, V, 40)
     for i in range(B):
-        s.admit(i, SamplingParams(temperature=0.8, top_p=0.9, seed=i), [1])
+        s.admit(i, SamplingParams(temperature=0.8, top_p=0.9), [1], seed=i)
     probs = torch.softmax(logits / 0.8, -1)
     sorted_p, order = probs.sort(-1, descending=True)
     before = sorted_p.cumsum(-1) - sorted_p
@@ -171,7 +171,7 @@ def run_requests(requests: list[int], slots: list[int], n_slots: int, steps: int
     V = 300
     s = Sampler(n_slots, V, steps + 4, block_size=32)
     for req, slot in zip(requests, slots):
-        s.admit(slot, MIX[req], [req % V, 5, 9])
+        s.admit(slot, MIX[req], [req % V, 5, 9], seed=MIX[req].seed or 0)
     out = {req: [] for req in requests}
     for step in range(steps):
         logits = torch.stack([torch.randn(V, generator=torch.Generator().manual_seed(req * 1000 + step)) * 2
@@ -205,7 +205,7 @@ def test_different_seeds_give_different_tokens():
 
 def greedy_run(logits: list[float], prompt: list[int], steps: int, **params) -> list[int]:
     s = Sampler(1, len(logits), len(prompt) + steps)
-    s.admit(0, SamplingParams(temperature=0.0, **params), prompt)
+    s.admit(0, SamplingParams(temperature=0.0, **params), prompt, seed=0)
     return [s.step(torch.tensor([logits]), [0])[0].token for _ in range(steps)]
 
 
@@ -231,7 +231,7 @@ def test_top_n_alternatives_are_the_most_likely_raw_tokens():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5))
     s = Sampler(3, V, 4, block_size=64)
     for i in range(3):
-        s.admit(i, SamplingParams(temperature=0.5, top_k=40, seed=i), [1], top_n=4)
+        s.admit(i, SamplingParams(temperature=0.5, top_k=40), [1], seed=i, top_n=4)
     ref = torch.log_softmax(logits, -1).topk(4, -1)
     for row, d in enumerate(s.step(logits, range(3))):
         assert [t for t, _ in d.top] == ref.indices[row].tolist()
@@ -288,9 +288,9 @@ def test_extreme_but_valid_parameters_stay_finite():
     torch.manual_seed(0)
     logits = torch.randn(3, V) * 5
     s = Sampler(3, V, 16, torch.device("cpu"))
-    s.admit(0, SamplingParams(temperature=5e-324, seed=1), [1, 2])
-    s.admit(1, SamplingParams(temperature=1.0, top_p=5e-324, seed=2), [1, 2])
-    s.admit(2, SamplingParams(temperature=1e-40, top_k=5, seed=3), [1, 2])
+    s.admit(0, SamplingParams(temperature=5e-324), [1, 2], seed=1)
+    s.admit(1, SamplingParams(temperature=1.0, top_p=5e-324), [1, 2], seed=2)
+    s.admit(2, SamplingParams(temperature=1e-40, top_k=5), [1, 2], seed=3)
     draws = s.step(logits.clone(), range(3))
     assert [d.token for d in draws] == logits.argmax(-1).tolist()
     assert SamplingParams(temperature=5e-324).greedy

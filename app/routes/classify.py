@@ -7,13 +7,15 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 
+from app.engine.client import EngineError
 from app.errors import ApiError, error_responses, invalid
 from app.guards import StrictJSONRoute, json_only
 from app.protocol.common import STRICT
 from app.routes import ServiceDep, authorized
-from model.task_head import TaskError
+from app.service import engine_error
+from model.engine_io import ErrorKind
+from model.task_head import item_error
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["Tasks"], dependencies=[Depends(json_only), Depends(authorized)])
 MAX_ITEMS = 64
@@ -40,7 +42,8 @@ async def classify(body: ClassifyRequest, service: ServiceDep) -> list:
     if task is None:
         raise ApiError(404, "this checkpoint has no task head: /classify needs a checkpoint fine-tuned with "
                             "python -m training.finetune", "not_found")
-    batch = isinstance(body.inputs, list) and not (task.kind in ("entailment", "similarity")
+    kind = task["kind"]
+    batch = isinstance(body.inputs, list) and not (kind in ("entailment", "similarity")
                                                    and len(body.inputs) == 2 and all(isinstance(x, str)
                                                                                      for x in body.inputs))
     items = body.inputs if batch else [body.inputs]
@@ -49,12 +52,13 @@ async def classify(body: ClassifyRequest, service: ServiceDep) -> list:
     if len(items) > MAX_ITEMS:
         raise invalid("inputs", f"at most {MAX_ITEMS} items per request, got {len(items)}")
     for i, item in enumerate(items):
-        if (err := task.validate_item(item)) is not None:
-            raise invalid(f"inputs.{i}" if batch else "inputs", f"{err} (a {task.kind} task)")
-    ckpt = service.loaded.checkpoint
-    try:
-        probs = await run_in_threadpool(task.predict, ckpt.model, ckpt.tokenizer, items)
-    except TaskError as e:
-        raise invalid("inputs", str(e)) from None
+        if (err := item_error(kind, item)) is not None:
+            raise invalid(f"inputs.{i}" if batch else "inputs", f"{err} (a {kind} task)")
+    try:  # computed by the engine core, which holds the model
+        probs = await service.engine.classify(items)
+    except EngineError as e:
+        if e.kind == ErrorKind.INVALID:
+            raise invalid("inputs", e.message) from None
+        raise engine_error(e) from None
     ranked = [[{"label": k, "score": v} for k, v in sorted(p.items(), key=lambda kv: -kv[1])] for p in probs]
     return ranked if batch else ranked[0]

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.engine import Failed, GenerationRequest, TokenOut
-from app.errors import error_responses, invalid, stream_error_event
+from app.engine.output_processor import Failed, RequestState, TokenOut
+from app.errors import error_responses, error_type_of, invalid, status_of, stream_error_event
 from app.guards import StrictJSONRoute, json_only
 from app.openapi import sse_content
 from app.protocol.openai import (
@@ -69,7 +69,8 @@ class Reply:
         return sse(self.body([choice], **({"usage": None} if self.plan.include_usage else {})), "data: ")
 
     def failed(self, item: Failed) -> list[bytes]:
-        return [sse(stream_error_event(self.path, item.status, item.message, item.error_type), "data: "), DONE]
+        event = stream_error_event(self.path, status_of(item.kind), item.message, error_type_of(item.kind))
+        return [sse(event, "data: "), DONE]
 
     def end(self, finished: dict[int, list[TokenOut]], n_choices: int) -> list[bytes]:
         if len(finished) < n_choices:
@@ -121,7 +122,7 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
     return JSONResponse(reply.body(choices, usage=total_usage(results, plan)))
 
 
-async def completion_events(reply: Reply, reqs: list[tuple[int, GenerationRequest]], prompt_of: dict[int, str]
+async def completion_events(reply: Reply, reqs: list[tuple[int, RequestState]], prompt_of: dict[int, str]
                             ) -> AsyncIterator[bytes]:
     plan = reply.plan
 
@@ -189,7 +190,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
     return JSONResponse(reply.body(choices, usage=total_usage(results, plan)))
 
 
-async def chat_events(reply: Reply, reqs: list[tuple[int, GenerationRequest]], lstrip: bool
+async def chat_events(reply: Reply, reqs: list[tuple[int, RequestState]], lstrip: bool
                       ) -> AsyncIterator[bytes]:
     plan = reply.plan
 

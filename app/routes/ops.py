@@ -15,7 +15,6 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 
 from app import __version__
-from app.config import DTYPE_NAMES
 from app.errors import TGIError, error_body
 from app.routes import ServiceDep
 
@@ -37,20 +36,22 @@ async def health(service: ServiceDep):
     status = service.status
     if status == "ready":
         return {"status": "ready"}
+    engine = service.engine
+    why = (engine.dead or engine.info.get("warmup_error")) if engine else ""
     messages = {"loading": "the model is loading", "draining": "the server is shutting down",
-                "failed": f"the model is not usable: {service.engine.warmup_error if service.engine else ''}"}
+                "failed": f"the model is not usable: {why}"}
     return JSONResponse({**error_body(messages[status], "unavailable"), "status": status}, status_code=503)
 
 
-@router.get("/live", summary="Liveness: 200 while the engine thread runs (also loading/draining); 503 when it died",
+@router.get("/live", summary="Liveness: 200 while the engine core runs (also loading/draining); 503 when it died",
             response_model=Status, responses=UNAVAILABLE)
 async def live(service: ServiceDep):
     # Readiness (/health) says "send me traffic"; liveness only says "restart me": it fails only when the
-    # engine thread has died, which nothing short of a restart fixes. While the model loads (no engine yet)
-    # or the server drains, the process is healthy, so this stays 200.
+    # engine core (its process, or its thread) has died, which nothing short of a restart fixes. While the model
+    # loads or the server drains, the process is healthy, so this stays 200.
     engine = service.engine
-    if engine is not None and not engine.alive:  # (the engine starts right where it is created)
-        return JSONResponse({**error_body("the generation engine thread has stopped; restart the server",
+    if engine is not None and not engine.alive:
+        return JSONResponse({**error_body(f"the generation engine has stopped ({engine.dead}); restart the server",
                                           "unavailable"), "status": "dead"}, status_code=503)
     return {"status": "alive"}
 
@@ -60,15 +61,15 @@ async def info(service: ServiceDep) -> dict:
     s = service.settings
     body = {"model_id": service.model_name(), "version": __version__, "status": service.status,
             "checkpoint": str(s.checkpoint)}
-    if service.loaded is not None:
-        ckpt = service.loaded.checkpoint
-        dtype = DTYPE_NAMES.get(service.loaded.dtype, str(service.loaded.dtype))
+    if service.tokenizer is not None and service.engine is not None:
+        tok, info = service.tokenizer, service.engine.info
         body.update({
-            "checkpoint": str(ckpt.path), "metadata": ckpt.metadata, "config": ckpt.config.to_dict(),
-            "n_params": ckpt.model.num_params(), "tokenizer": ckpt.tokenizer.spec,
-            "vocab_size": ckpt.tokenizer.vocab_size, "eos_token_id": ckpt.tokenizer.eot_id,
-            "device": str(service.loaded.device), "dtype": dtype,
-            "model_device_type": service.loaded.device.type, "model_dtype": dtype})
+            "checkpoint": str(service.checkpoint_path), "metadata": service.metadata,
+            "config": service.config.to_dict(), "n_params": info.get("n_params"), "tokenizer": tok.spec,
+            "vocab_size": tok.vocab_size, "eos_token_id": tok.eot_id, "device": info.get("device"),
+            "dtype": info.get("dtype"), "model_device_type": str(info.get("device", "")).split(":")[0],
+            "model_dtype": info.get("dtype"), "engine_mode": service.settings.engine,
+            "api_servers": service.settings.api_servers})
     if service.limits is not None:
         lim = service.limits
         body.update({
@@ -84,7 +85,7 @@ async def info(service: ServiceDep) -> dict:
                  "max_queue": s.max_queue, "prefill_chunk": s.prefill_chunk,
                  "request_timeout_s": s.request_timeout_s, "max_body_bytes": s.max_body_bytes,
                  "api_key_required": service.api_key is not None,
-                 "engine": service.engine.stats() if service.engine else None})
+                 "engine": service.engine.stats if service.engine else None})
     return body
 
 

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.engine import Failed, GenerationRequest, TokenOut
-from app.errors import error_responses, stream_error_event
+from app.engine.output_processor import Failed, RequestState, TokenOut
+from app.errors import error_responses, error_type_of, status_of, stream_error_event
 from app.guards import StrictJSONRoute, json_only
 from app.openapi import sse_content
 from app.protocol.tgi import CompatRequest, GenerateResponse, TGIRequest
@@ -46,11 +46,11 @@ def details(plan: Plan, tokens: list[TokenOut], stream: bool) -> dict:
     return d
 
 
-async def events(plan: Plan, req: GenerationRequest, prefix: str, path: str) -> AsyncIterator[bytes]:
+async def events(plan: Plan, req: RequestState, prefix: str, path: str) -> AsyncIterator[bytes]:
     tokens: list[TokenOut] = []
     async for item in req.events():
         if isinstance(item, Failed):
-            yield sse(stream_error_event(path, item.status, item.message, item.error_type))
+            yield sse(stream_error_event(path, status_of(item.kind), item.message, error_type_of(item.kind)))
             return
         tokens.append(item)
         event = {"index": item.index, "token": token_json(item), "generated_text": None, "details": None}

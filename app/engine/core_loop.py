@@ -1,0 +1,111 @@
+"""The engine core's busy loop, the same whether it runs in its own process or in a thread of the server
+(vLLM V1's `EngineCoreProc.run_busy_loop`): take every message waiting (add, abort, classify, ...), run one
+`EngineCore.step`, send each front the step's outputs for its requests in one message; block on the transport
+only while there is nothing to compute.
+
+A transport has `recv(timeout) -> [(client, message)]` and `send(client, message)`; `app/engine/client.py`
+has the in-process one (a queue and the event loop's call_soon_threadsafe), `app/engine/core_process.py`
+the ZMQ one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from app.engine.wire import Abort, Add, Classified, Classify, Hello, Outputs, Pause, Ready, Shutdown
+from model.engine_core import EngineCore
+from model.engine_io import ErrorKind, RequestOutput
+
+log = logging.getLogger("app.engine")
+
+IDLE_WAIT_S = 1.0  # nothing to compute: block on the transport this long at most (deadlines are checked after)
+PAUSED_WAIT_S = 0.02
+
+
+class CoreLoop:
+    def __init__(self, core: EngineCore, transport, *, info: dict[str, Any] | None = None,
+                 classify: Callable[[list], list[dict[str, float]]] | None = None, warmup: bool = True) -> None:
+        self.core, self.transport = core, transport
+        self.info = dict(info or {})
+        self.classify = classify
+        self.warmup = warmup
+        self.owners: dict[str, Any] = {}  # request id → the client (front) that sent it
+        self.clients: set = set()
+        self.warm = False
+        self.paused = False
+        self.stopping = False
+
+    def run(self) -> None:
+        if self.warmup:
+            self.core.warmup()
+        self.info.update(warmup_error=self.core.warmup_error, **self.core.stats())
+        self.warm = True
+        for c in self.clients:
+            self.transport.send(c, Ready(self.info))
+        core = self.core
+        while not self.stopping:
+            busy = core.has_work() and not self.paused
+            msgs = self.transport.recv(0.0 if busy else (PAUSED_WAIT_S if self.paused else IDLE_WAIT_S))
+            for client, msg in msgs:
+                self.handle(client, msg)
+            if self.stopping:
+                break
+            if core.has_work() and not self.paused:
+                self.deliver(core.step())
+            elif msgs or core.has_work():  # aborts changed the counts, or deadlines passed while paused
+                self.deliver(core.expire(), always=True)
+        self.deliver(core.shutdown(), always=True)
+
+    def handle(self, client, msg) -> None:
+        if isinstance(msg, Add):
+            try:
+                self.core.add(msg.request)
+            except ValueError as e:
+                self.transport.send(client, Outputs([RequestOutput(msg.request.request_id, [], [],
+                                                                    error=ErrorKind.INVALID, message=str(e))],
+                                                    self.core.stats()))
+                return
+            self.owners[msg.request.request_id] = client
+        elif isinstance(msg, Abort):
+            self.core.abort(msg.request_ids)
+            for rid in msg.request_ids:
+                self.owners.pop(rid, None)
+        elif isinstance(msg, Hello):
+            self.clients.add(client)
+            if self.warm:
+                self.transport.send(client, Ready(self.info))
+        elif isinstance(msg, Classify):
+            self.transport.send(client, self._classify(msg))
+        elif isinstance(msg, Pause):
+            self.paused = msg.paused
+        elif isinstance(msg, Shutdown):
+            self.stopping = True
+
+    def deliver(self, outputs: list[RequestOutput], always: bool = False) -> None:
+        """One message per front: its requests' outputs and the core's stats."""
+        by_client: dict[Any, list[RequestOutput]] = {}
+        for out in outputs:
+            client = self.owners.get(out.request_id)
+            if client is None:
+                continue
+            by_client.setdefault(client, []).append(out)
+            if out.done:
+                del self.owners[out.request_id]
+        if not by_client and not always:
+            return
+        stats = self.core.stats()
+        for client in (self.clients | by_client.keys()) if always else by_client:
+            self.transport.send(client, Outputs(by_client.get(client, []), stats))
+
+    def _classify(self, msg: Classify) -> Classified:
+        if self.classify is None:
+            return Classified(msg.call_id, error="this checkpoint has no task head", error_kind="invalid")
+        try:
+            return Classified(msg.call_id, result=self.classify(msg.items))
+        except ValueError as e:  # TaskError: a bad item
+            return Classified(msg.call_id, error=str(e), error_kind="invalid")
+        except Exception as e:  # noqa: BLE001 - a failing forward must not end the core
+            log.exception("classify failed")
+            return Classified(msg.call_id, error=f"classification failed: {type(e).__name__}: {e}", error_kind="failed")

@@ -1,0 +1,181 @@
+"""The engine core: many requests through one model, step by step. No threads, no asyncio, no HTTP.
+
+    core = EngineCore(model, n_slots=32, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eot_id)
+    core.add(EngineRequest("a", prompt_ids, SamplingParams(max_new_tokens=20), seed=1))
+    while core.has_work():
+        for out in core.step():      # RequestOutput: new token ids, logprobs, finish or error kind
+            ...
+
+It owns the scheduler (`model.scheduler`), the KV cache, the sampler and the CUDA graphs, and runs vLLM V1's
+step: schedule → execute → update. Whoever drives it (the library's `generate`, the server's core process or
+its engine thread) reads the outputs, detokenizes them and calls `abort` when a stop string ends a request.
+The sampling state of every slot lives on the model's device (`model.sampling.Sampler`), and the noise of each
+token is a function of (seed, position, token id), so a seeded or greedy request gives the same tokens alone or
+batched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from model.engine_io import EngineRequest, ErrorKind, RequestOutput
+from model.gpt import GPT
+from model.kv_cache import KVCache
+from model.sampling import Sampler, SamplingParams
+from model.scheduler import Scheduler, Step
+
+log = logging.getLogger("model.engine_core")
+
+
+class EngineCore:
+    def __init__(self, model: GPT, *, n_slots: int, vocab_size: int, eos_id: int | None = None,
+                 max_len: int | None = None, prefill_chunk: int | None = None,
+                 cuda_graphs: bool | None = None, pad_vocab: bool = True) -> None:
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_len = max_len or model.config.block_size
+        self.n_slots = n_slots
+        self.cache = KVCache(model.config, n_slots, self.max_len, dtype=self.dtype, device=self.device)
+        self.sampler = Sampler(n_slots, vocab_size, self.max_len, self.device)
+        if pad_vocab:  # the sampler then reads the logits in place, as whole blocks (a server owns its model;
+            model.pad_vocab(self.sampler.padded)  # the library leaves a caller's model as it is: it may train on)
+        self.scheduler = Scheduler(n_slots, prefill_chunk, eos_id)
+        # decode steps from CUDA graphs (model.cuda_graphs): on by default on CUDA, captured at warm-up
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        self._graphed = None
+        self.warmup_error: str | None = None
+        # counters (read by stats())
+        self.decode_steps = 0
+        self.prefill_chunks = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.max_batch_seen = 0
+
+    # ------------------------------------------------------------------ requests
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request. ValueError if it can never run here (validation upstream refuses these first)."""
+        n = len(request.prompt)
+        if n < 1:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if n + request.params.max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({request.params.max_new_tokens}) exceeds the "
+                             f"engine's context of {self.max_len} tokens")
+        self.scheduler.add(request)
+
+    def abort(self, request_ids) -> None:
+        self.scheduler.abort(request_ids)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def expire(self) -> list[RequestOutput]:
+        """End requests past their deadline without stepping (a paused or idle loop still enforces them)."""
+        return self.scheduler.expire(time.monotonic())
+
+    def shutdown(self, message: str = "the server shut down before the request finished") -> list[RequestOutput]:
+        """End every request still here with ErrorKind.SHUTDOWN."""
+        return self.scheduler.end_all(ErrorKind.SHUTDOWN, message)
+
+    # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule(time.monotonic())
+        try:
+            draws = self._execute(step)
+        except Exception as e:  # a failing forward (e.g. out of memory) fails its requests, not the engine
+            log.exception("engine step failed")
+            return self.scheduler.fail_step(step, f"generation failed: {type(e).__name__}: {e}")
+        return self.scheduler.update(step, draws)
+
+    def _execute(self, step: Step) -> list:
+        self._apply(step.ops)
+        draws = []
+        for chunk in step.prefills:
+            slots = chunk.slots
+            if len(slots) == 1:
+                idx = self.sampler.prompt_slice(slots[0], chunk.start, chunk.start + chunk.n).view(1, -1)
+            else:  # the prompts are on the device already (written at admission)
+                idx = self.sampler.history[torch.tensor(slots, device=self.device), :chunk.n]
+            logits = self.model.forward_cached(idx, self.cache, slots)
+            self.prefill_chunks += 1
+            self.prompt_tokens += chunk.n * len(slots)
+            if chunk.completes:
+                draws += self.sampler.step(logits, slots)
+        if step.decode:
+            n = len(step.decode)
+            self.max_batch_seen = max(self.max_batch_seen, n)
+            if self._graphed is not None:
+                logits = self._graphed(self.sampler.last[:n], n)
+            else:
+                logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
+            self.decode_steps += 1
+            draws += self.sampler.step(logits, range(n))
+        self.generated_tokens += len(draws)
+        return draws
+
+    def _apply(self, ops) -> None:
+        for op in ops:
+            if op[0] == "admit":
+                _, slot, req = op
+                self.cache.reset(slot)
+                self.sampler.admit(slot, req.params, req.prompt, seed=req.seed, top_n=req.top_n)
+            elif op[0] == "move":
+                self.cache.move(op[1], op[2])
+                self.sampler.move(op[1], op[2])
+            else:  # free
+                self.cache.reset(op[1])
+                self.sampler.release(op[1])
+
+    # ------------------------------------------------------------------ warm-up and stats
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """A short prefill, then a decode step and a sampled step over every slot, so first requests do not pay
+        one-time costs (allocator growth, oneDNN primitive creation); CUDA graphs are captured here."""
+        t0 = time.perf_counter()
+        n = self.n_slots
+        try:
+            if self.max_len >= 3:  # a 2-token prefill of every slot at once, then a sampled decode step
+                for s in range(n):
+                    self.sampler.admit(s, SamplingParams(temperature=1.0, top_p=0.9), [0, 0], seed=s)
+                logits = self.model.forward_cached(self.sampler.history[:n, :2], self.cache, range(n))
+                self.sampler.step(logits, range(n))
+                logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
+                self.sampler.step(logits, range(n))
+                if self.cuda_graphs:
+                    self._capture_graphs()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            log.info("warm-up done in %.0f ms", (time.perf_counter() - t0) * 1000)
+        except Exception as e:
+            self.warmup_error = f"warm-up generation failed: {type(e).__name__}: {e}"
+            log.error(self.warmup_error)
+        finally:
+            for s in range(n):
+                self.cache.reset(s)
+                self.sampler.release(s)
+
+    def _capture_graphs(self) -> None:
+        """Capture the decode step per batch bucket; keep the graphs only if a replay equals eager decoding."""
+        try:
+            from model.cuda_graphs import GraphedDecode
+
+            graphed = GraphedDecode(self.model, self.cache, self.n_slots)
+            graphed.capture_all()
+            if graphed.check(self.n_slots):
+                self._graphed = graphed
+                log.info("decode steps run from CUDA graphs (%d batch buckets)", len(graphed.buckets))
+            else:
+                log.warning("CUDA graph replay differs from eager decoding; decoding eagerly")
+        except Exception as e:  # a capture that fails costs speed, never the server
+            log.warning("CUDA graphs unavailable (%s: %s); decoding eagerly", type(e).__name__, e)
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"running": s.n_running, "queued": s.n_waiting, "max_batch_size": self.n_slots,
+                "max_batch_seen": self.max_batch_seen, "decode_steps": self.decode_steps,
+                "prefill_chunks": self.prefill_chunks, "prompt_tokens": self.prompt_tokens,
+                "generated_tokens": self.generated_tokens, "cuda_graphs": self._graphed is not None}

@@ -1,0 +1,58 @@
+"""What goes into the engine core and what comes out of it: plain dataclasses, no torch, no HTTP.
+
+The same types travel in-process (the library's `generate`, the server's thread mode) and between processes
+(the server's core process encodes them with msgspec, `app/engine/wire.py`), as vLLM V1's `EngineCoreRequest` /
+`EngineCoreOutput` do. The core deals in token ids only: detokenizing and stop strings belong to whoever reads
+the outputs (`model.generate.Sequence`), which aborts a request when its text hits a stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from model.sampling import SamplingParams
+from model.stopping import FinishReason
+
+
+class ErrorKind(StrEnum):
+    """Why the core ended a request without finishing it. The HTTP layer maps kinds to statuses (app/errors.py)."""
+
+    TIMEOUT = "timeout"  # it ran past its deadline (waiting or running)
+    SHUTDOWN = "shutdown"  # the core stopped before it finished
+    FAILED = "failed"  # a forward pass or the sampler raised (e.g. out of memory); the core goes on
+    INVALID = "invalid"  # the request cannot run here (does not fit the cache); validation should have caught it
+    # raised by the engine's clients before a request reaches the core
+    OVERLOADED = "overloaded"  # every slot and queue place is taken
+    UNAVAILABLE = "unavailable"  # the engine is not accepting requests: starting, draining, stopped or dead
+
+
+@dataclass
+class EngineRequest:
+    """One sequence to generate. `seed` is required: it was drawn once, where the request was validated."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams  # the core reads the sampling fields, max_new_tokens and stop_at_eos (not `stop`)
+    seed: int
+    top_n: int = 0  # also report the top_n most likely tokens at each step
+    arrival: float = 0.0  # time.monotonic() when the request arrived (the clock is shared by processes)
+    deadline: float | None = None  # time.monotonic() past which it ends with ErrorKind.TIMEOUT
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request: new tokens, and how it ended if it did."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]  # under the model's own distribution (raw logits), one per token
+    top: list[list[tuple[int, float]]] | None = None  # per token: the top_n (id, logprob), when asked
+    finish: FinishReason | None = None  # LENGTH or EOS: the core is done with it
+    error: ErrorKind | None = None  # set instead of tokens when the core ended it
+    message: str = ""  # the error, in words
+    queue_s: float | None = None  # on the first output: seconds from arrival to a KV-cache slot
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None or self.error is not None

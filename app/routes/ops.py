@@ -68,7 +68,7 @@ async def info(service: ServiceDep) -> dict:
             "config": service.config.to_dict(), "n_params": info.get("n_params"), "tokenizer": tok.spec,
             "vocab_size": tok.vocab_size, "eos_token_id": tok.eot_id, "device": info.get("device"),
             "dtype": info.get("dtype"), "model_device_type": str(info.get("device", "")).split(":")[0],
-            "model_dtype": info.get("dtype"), "engine_mode": service.settings.engine,
+            "model_dtype": info.get("dtype"), "engine_mode": service.settings.engine, "engine_pid": info.get("pid"),
             "api_servers": service.settings.api_servers})
     if service.limits is not None:
         lim = service.limits

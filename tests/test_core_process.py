@@ -1,0 +1,140 @@
+"""The engine core in its own process (app/engine/core_process.py, the server's default): results equal the
+library's and the thread mode's, a killed core ends every stream at once and the server exits non-zero, and
+several HTTP fronts (GPT_API_SERVERS) share one core with metrics that add up."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import json
+import os
+import signal
+import tempfile
+import time
+
+import httpx
+import pytest
+
+from tests.test_app_live import start_app_process, wait_until
+from tests.test_app_support import app_client, reference_generate, tiny_ckpt  # noqa: F401
+
+pytestmark = pytest.mark.timeout(120)
+
+BODIES = [
+    {"inputs": "hello", "parameters": {"max_new_tokens": 20, "temperature": 0}},
+    {"inputs": "to be or not", "parameters": {"max_new_tokens": 25, "temperature": 0.9, "seed": 1}},
+    {"inputs": "x", "parameters": {"max_new_tokens": 30, "temperature": 1.0, "top_k": 5, "seed": 2}},
+    {"inputs": "once upon", "parameters": {"max_new_tokens": 12, "temperature": 1.2, "top_p": 0.8, "seed": 3}},
+    {"inputs": "stop here", "parameters": {"max_new_tokens": 40, "temperature": 1.5, "seed": 5, "stop": ["e"]}},
+    {"inputs": "abc", "parameters": {"max_new_tokens": 30, "temperature": 0, "repetition_penalty": 1.3}},
+]
+
+
+def core_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "gpt-core-*")))
+
+
+def stop(proc, timeout: float = 20) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout)
+
+
+def test_core_process_results_equal_the_library_and_the_thread_mode(tiny_ckpt):  # noqa: F811
+    """Seeded and greedy requests, sent together, give each its solo library result through the core process;
+    the thread mode gives the same tokens."""
+    before = core_dirs()
+    proc, url = start_app_process(tiny_ckpt)
+    try:
+        assert httpx.get(url + "/info").json()["engine_mode"] == "process"
+        with concurrent.futures.ThreadPoolExecutor(len(BODIES)) as pool:
+            together = list(pool.map(lambda b: httpx.post(url + "/generate", json=b, timeout=30).json(), BODIES))
+    finally:
+        assert stop(proc) == 0
+    for body, got in zip(BODIES, together):
+        p = dict(body["parameters"])
+        ref = reference_generate(tiny_ckpt, body["inputs"], **p)
+        assert got["generated_text"] == ref.text, body
+    with app_client(tiny_ckpt) as c:  # engine="thread"
+        threaded = [c.post("/generate", json=b).json() for b in BODIES]
+    assert threaded == together
+    assert core_dirs() <= before  # the core's socket directory is gone
+
+
+def test_a_stop_string_in_the_front_aborts_the_request_in_the_core(tiny_ckpt):  # noqa: F811
+    proc, url = start_app_process(tiny_ckpt)
+    try:
+        params = {"max_new_tokens": 100, "temperature": 0, "details": True}
+        full = httpx.post(url + "/generate", json={"inputs": "stop here", "parameters": params}).json()
+        stop_at = full["generated_text"][10:12]  # a stop string that this greedy output reaches
+        r = httpx.post(url + "/generate", json={"inputs": "stop here", "parameters": {**params, "stop": [stop_at]}})
+        assert r.json()["details"]["finish_reason"] == "stop_sequence"
+        assert wait_until(lambda: httpx.get(url + "/info").json()["engine"]["running"] == 0, timeout=2) < 2
+    finally:
+        stop(proc)
+
+
+def test_sigkill_of_the_core_ends_every_stream_and_the_server_exits_non_zero(tiny_ckpt):  # noqa: F811
+    before = core_dirs()
+    proc, url = start_app_process(tiny_ckpt, "--max-new-tokens", "127")
+    core_pid = httpx.get(url + "/info").json()["engine_pid"]
+    started = concurrent.futures.ThreadPoolExecutor(8)
+    first = [False] * 8
+    slow = {"inputs": "a", "parameters": {"max_new_tokens": 120, "temperature": 1.0, "seed": 0}}
+
+    def stream(i: int) -> tuple[str, float]:
+        with httpx.stream("POST", url + "/generate_stream", json={**slow, "parameters": {**slow["parameters"],
+                                                                                         "seed": i}},
+                          timeout=30) as r:
+            last = ""
+            try:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        first[i] = True
+                        last = line
+            except httpx.HTTPError:
+                return "closed", time.monotonic()
+            return last, time.monotonic()
+
+    try:
+        # the tiny model is fast: slow each stream's reader down by keeping many streams and killing at once
+        futures = [started.submit(stream, i) for i in range(8)]
+        wait_until(lambda: all(first), timeout=10, step=0.001)
+        killed_at = time.monotonic()
+        os.kill(core_pid, signal.SIGKILL)
+        results = [f.result(timeout=10) for f in futures]
+        code = proc.wait(15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code != 0
+    for last, at in results:
+        assert at - killed_at < 2.0
+        if last != "closed" and '"generated_text":null' not in last.replace(" ", ""):
+            continue  # this stream had already finished before the kill
+        if last != "closed":
+            event = json.loads(last[5:])
+            assert event.get("error_type") == "unavailable", event
+    with pytest.raises(ProcessLookupError):
+        os.kill(core_pid, 0)  # reaped, not a zombie (os.kill on a zombie succeeds)
+    assert core_dirs() <= before
+
+
+def test_two_api_servers_share_one_core_and_metrics_add_up(tiny_ckpt):  # noqa: F811
+    proc, url = start_app_process(tiny_ckpt, "--api-servers", "2")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            # a new connection per request: the kernel spreads them over both fronts
+            outs = list(pool.map(lambda i: httpx.post(url + "/generate", json={
+                "inputs": "hi", "parameters": {"max_new_tokens": 4, "temperature": 0}}, timeout=30), range(16)))
+        assert all(r.status_code == 200 for r in outs)
+        assert len({r.json()["generated_text"] for r in outs}) == 1
+        pids = {httpx.get(url + "/info").json()["engine_pid"] for _ in range(6)}
+        assert len(pids) == 1  # one core behind both fronts
+        for _ in range(4):  # whichever front answers, the counts are the sum over both
+            text = httpx.get(url + "/metrics").text
+            line = next(x for x in text.splitlines() if x.startswith('gpt_requests_total{finish_reason="length"'))
+            assert float(line.split()[-1]) == 16.0, line
+    finally:
+        assert stop(proc) == 0

@@ -138,3 +138,16 @@ def test_two_api_servers_share_one_core_and_metrics_add_up(tiny_ckpt):  # noqa: 
             assert float(line.split()[-1]) == 16.0, line
     finally:
         assert stop(proc) == 0
+
+
+def test_a_client_disconnect_reaches_the_core_and_frees_the_slot(tiny_ckpt):  # noqa: F811
+    proc, url = start_app_process(tiny_ckpt, "--max-new-tokens", "127")
+    try:
+        body = {"inputs": "a", "parameters": {"max_new_tokens": 120, "temperature": 1.0, "seed": 0}}
+        with httpx.stream("POST", url + "/generate_stream", json=body, timeout=30) as r:
+            next(r.iter_lines())  # one event, then hang up
+        assert wait_until(lambda: httpx.get(url + "/info").json()["engine"]["running"] == 0, timeout=2) < 2
+        text = httpx.get(url + "/metrics").text
+        assert 'finish_reason="cancelled",status="499"} 1.0' in text or "length" in text  # it may have finished
+    finally:
+        assert stop(proc) == 0

@@ -11,7 +11,7 @@ ifneq ($(wildcard $(SHARED_TIKTOKEN)),)
 export TIKTOKEN_CACHE_DIR ?= $(SHARED_TIKTOKEN)
 endif
 
-.PHONY: install test test-slow lint serve bench clean
+.PHONY: install test test-slow lint serve bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ bench: install
 	$(PY) -m bench.train
 	$(PY) -m bench.serve
 	$(PY) -m bench.stack
+
+# On a CUDA machine: the CUDA tests and the engine core on the GPU (bf16, CUDA graphs on and off), one JSON report
+# (bench/results/gpu-check.json). Fails loudly without CUDA. Install a CUDA build of torch first.
+gpu-check: install
+	$(PY) -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

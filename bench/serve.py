@@ -116,14 +116,19 @@ class Server:
     max_batch None leaves GPT_MAX_BATCH_SIZE to the app's default (any value in the environment is dropped).
     """
 
-    def __init__(self, checkpoint: Path, max_batch: int | None, threads: int, log: Path) -> None:
+    def __init__(self, checkpoint: Path, max_batch: int | None, threads: int, log: Path,
+                 engine: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "GPT_MAX_BATCH_SIZE"}
-        env.update({"GPT_TORCH_THREADS": str(threads), "GPT_LOG_LEVEL": "warning", "GPT_DEVICE": "cpu",
-                    "GPT_DTYPE": "fp32", "GPT_MAX_QUEUE": "1000"})
+        env.update({"GPT_LOG_LEVEL": "warning", "GPT_DEVICE": "cpu", "GPT_DTYPE": "fp32", "GPT_MAX_QUEUE": "1000"})
+        env.pop("GPT_TORCH_THREADS", None)
+        if threads:  # None: the server's default (the core process takes every core but one per HTTP front)
+            env["GPT_TORCH_THREADS"] = str(threads)
         if max_batch is not None:
             env["GPT_MAX_BATCH_SIZE"] = str(max_batch)
+        if engine is not None:  # process (the default: the engine core in its own process) or thread
+            env["GPT_ENGINE"] = engine
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "app", "--checkpoint", str(checkpoint), "--host", "127.0.0.1",

@@ -262,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sampler", action="store_true", help="skip timing the sampler alone")
     ap.add_argument("--baseline-rev", default="9ae5986",
                     help="git revision whose model/sampling.py (sample_next) is timed beside ours")
+    ap.add_argument("--engines", default="process,thread",
+                    help="server engine modes to measure side by side (GPT_ENGINE): process (the default: the core "
+                         "in its own process) and thread (the core on a thread of the HTTP process)")
     ap.add_argument("--out", default="stack", help="result name: bench/results/<out>.json")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
@@ -273,7 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     ck_dir = tiny_gpt()
     max_batch = max(MAX_BATCH, *levels)
     logs = Path(tempfile.mkdtemp(prefix="bench-stack-"))
-    server = Server(ck_dir, max_batch, threads, logs / "server.log")
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    # the core process keeps its default threads (every core but one per front): the settings users run
+    servers = {e: Server(ck_dir, max_batch, None if e == "process" else threads, logs / f"server-{e}.log", engine=e)
+               for e in engines}
     results: dict[str, list[dict[str, Any]]] = {w: [] for w in workloads}
     try:
         from model.checkpoint import load_checkpoint  # while the server starts
@@ -286,41 +292,52 @@ def main(argv: list[str] | None = None) -> int:
         prompt_ids = tok.encode(PROMPT)
         if len(prompt_ids) + args.new_tokens > ck.config.block_size:
             raise SystemExit(f"prompt ({len(prompt_ids)}) + --new-tokens exceeds the context ({ck.config.block_size})")
-        server.wait_ready()
+        for srv in servers.values():
+            srv.wait_ready()
         print(f"model: {ck_dir} ({model.num_params(non_embedding=False) / 1e6:.2f}M parameters), threads "
               f"{threads}, server GPT_MAX_BATCH_SIZE={max_batch}, prompt {len(prompt_ids)} tokens, "
               f"load {os.getloadavg()[0]:.2f}", flush=True)
         for w in workloads:  # warm-up (first-request costs of the HTTP stack, lazy imports, allocator)
-            asyncio.run(run_level(server.url, 2, 1, 4, 60, args.timeout_s, w, PROMPT))
+            for srv in servers.values():
+                asyncio.run(run_level(srv.url, 2, 1, 4, 60, args.timeout_s, w, PROMPT))
             if not args.no_library:
                 library_level(model, tok, prompt_ids, 2, 1, 4, w, stop_at_eos=False)
 
         k = 0
         for w in workloads:
             for n in levels:
-                s_runs, l_runs = [], []
+                runs: dict[str, list] = {e: [] for e in engines}
+                l_runs = []
                 for _ in range(args.repeats):
-                    order = ["server", "library"] if k % 2 == 0 else ["library", "server"]
+                    order = [*engines, "library"]
+                    order = order[k % len(order):] + order[:k % len(order)]  # rotate: load hits all alike
                     k += 1
                     for who in order:
-                        if who == "server":
-                            s_runs.append(server_run(server, n, args, w))
+                        if who in servers:
+                            runs[who].append(server_run(servers[who], n, args, w))
                         elif not args.no_library:
                             l_runs.append(library_run(model, tok, prompt_ids, n, args, w))
-                s = merge(s_runs)
+                s = merge(runs[engines[0]])
                 lib = merge(l_runs) if l_runs else None
-                row = {"streams": n, "server": s, "library": lib,
+                row = {"streams": n, "server": s, "library": lib, "engine": engines[0],
                        "server_vs_library": ratio(s["tok_s"], lib and lib["tok_s"])}
+                for e in engines[1:]:
+                    other = merge(runs[e])
+                    row[f"server_{e}"] = other
+                    row[f"server_{e}_vs_library"] = ratio(other["tok_s"], lib and lib["tok_s"])
+                    row[f"server_vs_server_{e}"] = ratio(s["tok_s"], other["tok_s"])
                 if args.repeats > 1:
-                    row["server_runs"], row["library_runs"] = s_runs, l_runs
+                    row["server_runs"], row["library_runs"] = runs[engines[0]], l_runs
                 results[w].append(row)
                 short = f"  SHORT REQUESTS {s['short_requests']}" if s.get("short_requests") else ""
-                print(f"{w:8s} {n:3d} streams: server {s['tok_s']:8.1f} tok/s  library "
+                others = "  ".join(f"{e} {row[f'server_{e}']['tok_s']:8.1f}" for e in engines[1:])
+                print(f"{w:8s} {n:3d} streams: server ({engines[0]}) {s['tok_s']:8.1f} tok/s  {others}  library "
                       f"{lib['tok_s'] if lib else '-':>8} tok/s  ratio {row['server_vs_library']}  TTFT p50 "
                       f"{s['ttft_ms_p50']} ms  ITL p50 {s['itl_ms_p50']} p99 {s['itl_ms_p99']} ms  errors "
                       f"{s['errors']}{short}  load {s['loadavg']}", flush=True)
     finally:
-        server.stop()
+        for srv in servers.values():
+            srv.stop()
 
     summary: dict[str, Any] = {}
     top = max(levels)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shutil
@@ -156,7 +157,7 @@ def percentile(xs: list[float], p: float) -> float | None:
     if not xs:
         return None
     s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(p / 100 * len(s) + 0.5)) - 1))]
+    return s[min(len(s) - 1, max(0, math.ceil(p / 100 * len(s)) - 1))]
 
 
 def summarize(workload: str, reqs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
@@ -889,7 +890,9 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     for s in servers:
         summ = summaries.get(s, {})
-        get = lambda k: (summ.get(k) or {}).get("median", "")  # noqa: E731
+
+        def get(k: str, summ: dict[str, Any] = summ) -> Any:
+            return (summ.get(k) or {}).get("median", "")
         eq = equality.get(s, {})
         table.append([s, SERVERS[s]["weights"], get("b1.decode_tok_s_p50"), get("b1.ttft_ms_p50"), get("s16.tok_s"),
                       get("s64.tok_s"), get("long512.ttft_ms_p50"), get("prefix.ttft_ms_p50"),

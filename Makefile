@@ -11,7 +11,7 @@ ifneq ($(wildcard $(SHARED_TIKTOKEN)),)
 export TIKTOKEN_CACHE_DIR ?= $(SHARED_TIKTOKEN)
 endif
 
-.PHONY: install test test-slow lint serve bench gpu-check clean
+.PHONY: install test test-slow lint serve bench bench-peers gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,13 @@ bench: install
 # (bench/results/gpu-check.json). Fails loudly without CUDA. Install a CUDA build of torch first.
 gpu-check: install
 	$(PY) -m bench.gpu_check
+
+# Our server vs vLLM (CPU) and llama.cpp's llama-server, same weights, one client (bench/README.md).
+# Sets the peers up under ~/.cache/gpt-serve-bench/peers first (once: ~15 min on 2 cores, builds run under nice).
+# Options go in PEERS_ARGS, e.g. make bench-peers PEERS_ARGS="--servers ours,llama-f32 --rounds 1 --new-tokens 16"
+PEERS_ARGS ?=
+bench-peers: install
+	$(PY) -m bench.peers --torch-version $(TORCH_VERSION) $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -65,9 +65,12 @@ def test_stop_matcher_across_boundaries():
 
 
 def _run(tok: Tokenizer, text: str, params: SamplingParams) -> Sequence:
-    seq = Sequence([0], params, tok)
+    """The reader's side of a request fed `text`'s tokens, with the core's finish decisions (EOS, length)."""
+    seq = Sequence([0], params, tok, seed=0)
     for i in tok.encode(text):
-        seq.append(i, -0.5)
+        finish = (FinishReason.EOS if i == tok.eot_id and params.stop_at_eos
+                  else FinishReason.LENGTH if len(seq.tokens) + 1 >= params.max_new_tokens else None)
+        seq.append(i, -0.5, finish)
         if seq.done:
             break
     return seq

@@ -748,6 +748,21 @@ def run_server_round(name: str, server: Server, workloads: list[str], args, eq_n
     return rec, ids, eq_err
 
 
+# kind → (extra arguments, why) for a server that dies with SIGSEGV during start-up
+CRASH_FALLBACKS = {
+    "llama": (["--no-repack"], "llama-server's AMX path (ggml_backend_amx_mul_mat, used for q8_0 weights on CPUs with "
+              "amx_int8, as the team's VM) segfaults at warm-up; --no-repack keeps the weights out of it"),
+}
+
+
+def crash_fallback(name: str, rec: dict[str, Any], argv: list[str]) -> list[str] | None:
+    """The fallback arguments for a server whose start-up ended in SIGSEGV, unless it already has them."""
+    fb = CRASH_FALLBACKS.get(SERVERS[name]["kind"])
+    if fb and "exited with -11 during start-up" in rec.get("error", "") and not set(fb[0]) <= set(argv):
+        return list(fb[0])
+    return None
+
+
 KEY_METRICS = {  # workload → (metric, higher is better)
     "b1": [("decode_tok_s_p50", True), ("ttft_ms_p50", False)],
     "s16": [("tok_s", True), ("ttft_ms_p50", False)],
@@ -841,6 +856,7 @@ def main(argv: list[str] | None = None) -> int:
     for s, why in unavailable.items():
         results[s]["setup_error"] = why
     greedy: dict[str, Any] = {}
+    fallback_args: dict[str, list[str]] = {}
     print(f"servers {runnable} (unavailable: {list(unavailable) or 'none'}), workloads {workloads}, "
           f"{args.rounds} round(s), {threads} threads; logs in {logs}", flush=True)
     for rnd in range(args.rounds):
@@ -849,10 +865,23 @@ def main(argv: list[str] | None = None) -> int:
         for name in order:
             port = free_port()
             argv_, env = server_command(name, port, threads, paths)
+            argv_ += fallback_args.get(name, [])
             server = Server(name, argv_, env, logs / f"{name}.log", port)
             results[name]["command"], results[name]["env"] = argv_, env
             eq_needed = args.equality_tokens > 0 and name not in greedy
             rec, ids, eq_err = run_server_round(name, server, workloads, args, eq_needed, eq_prompt)
+            fallback = crash_fallback(name, rec, argv_)
+            if fallback:  # start it once more with the fallback, and keep that for the later rounds
+                fallback_args[name] = fallback
+                results[name]["fallback"] = {"args": fallback, "first_error": rec["error"][-800:],
+                                             "why": CRASH_FALLBACKS[SERVERS[name]["kind"]][1]}
+                print(f"  {name}: crashed at start-up; again with {fallback}", flush=True)
+                port = free_port()
+                argv_ = server_command(name, port, threads, paths)[0] + fallback
+                server = Server(name, argv_, env, logs / f"{name}.log", port)
+                results[name]["command"] = argv_
+                rec, ids, eq_err = run_server_round(name, server, workloads, args, eq_needed, eq_prompt)
+                rec["fallback"] = fallback
             rec["round"] = rnd + 1
             results[name]["rounds"].append(rec)
             if eq_needed and (ids is not None or eq_err):

@@ -147,3 +147,11 @@ def test_server_summary_medians_over_rounds_and_counts_failures():
 def test_lscpu_info_has_flags():
     info = peers.lscpu_info()
     assert "error" in info or isinstance(info.get("flags"), list)
+
+
+def test_crash_fallback_only_for_a_segfault_at_start_up_of_llama_server():
+    crashed = {"error": "RuntimeError: exited with -11 during start-up: ..."}
+    assert peers.crash_fallback("llama-q8_0", crashed, ["llama-server"]) == ["--no-repack"]
+    assert peers.crash_fallback("llama-q8_0", crashed, ["llama-server", "--no-repack"]) is None  # tried already
+    assert peers.crash_fallback("llama-q8_0", {"error": "RuntimeError: not ready after 300 s"}, []) is None
+    assert peers.crash_fallback("ours", crashed, []) is None

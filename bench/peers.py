@@ -64,6 +64,8 @@ SERVERS: dict[str, dict[str, Any]] = {
     "vllm-default-threads": {"kind": "vllm", "weights": "fp32", "default_threads": True},
     "vllm-no-preload": {"kind": "vllm", "weights": "fp32", "no_preload": True},
     "llama-f32-nocache": {"kind": "llama", "weights": "f32", "extra_args": ["--no-cache-prompt"]},
+    "llama-bf16": {"kind": "llama", "weights": "bf16"},
+    "ours-bf16": {"kind": "ours", "weights": "bf16"},
 }
 DEFAULT_SERVERS = "ours,vllm,llama-f32,llama-f16,llama-q8_0"
 FP32_SERVERS = ("ours", "vllm", "llama-f32", "vllm-default-threads", "vllm-no-preload", "llama-f32-nocache")
@@ -220,7 +222,7 @@ def server_command(name: str, port: int, threads: int, paths: dict[str, Any]) ->
     host = "127.0.0.1"
     if spec["kind"] == "ours":
         return ([paths["python"], "-m", "app", "--checkpoint", str(paths["checkpoint"]), "--host", host,
-                 "--port", str(port), "--device", "cpu", "--dtype", "fp32", "--max-batch-size", str(SLOTS),
+                 "--port", str(port), "--device", "cpu", "--dtype", spec["weights"], "--max-batch-size", str(SLOTS),
                  "--max-queue", "1000", "--torch-threads", str(threads), "--model-name", MODEL_NAME,
                  "--log-level", "warning"], {})
     if spec["kind"] == "vllm":
@@ -810,6 +812,32 @@ def ratios(summaries: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
+# issue 17's goals, at equal precision (fp32): (metric, higher is better, peers compared, target ratio)
+GOALS = {
+    "16 streams tok/s vs the better fp32 peer": ("s16.tok_s", True, ("vllm", "llama-f32"), 1.0),
+    "64 streams tok/s vs the better fp32 peer": ("s64.tok_s", True, ("vllm", "llama-f32"), 1.0),
+    "TTFT of distinct 512-token prompts vs the better fp32 peer": ("long512.ttft_ms_p50", False,
+                                                                   ("vllm", "llama-f32"), 1.0),
+    "batch-1 decode tok/s vs llama-server f32": ("b1.decode_tok_s_p50", True, ("llama-f32",), 0.9),
+}
+
+
+def goals(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each goal: ours, the better of the peers measured, their ratio (> 1: ours better) and whether it is met."""
+    out: dict[str, Any] = {}
+    for goal, (metric, higher, names, target) in GOALS.items():
+        ours = ((summaries.get("ours") or {}).get(metric) or {}).get("median")
+        peers_ = {n: ((summaries.get(n) or {}).get(metric) or {}).get("median") for n in names}
+        peers_ = {n: v for n, v in peers_.items() if v}
+        if not ours or not peers_:
+            continue
+        best = (max if higher else min)(peers_, key=peers_.get)
+        ratio = ours / peers_[best] if higher else peers_[best] / ours
+        out[goal] = {"metric": metric, "ours": ours, "peer": best, "peer_value": peers_[best],
+                     "ratio": round(ratio, 3), "target": target, "met": ratio >= target}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--servers", default=DEFAULT_SERVERS, help=f"comma-separated subset of {list(SERVERS)}")
@@ -916,6 +944,7 @@ def main(argv: list[str] | None = None) -> int:
     for s, summ in summaries.items():
         results[s]["summary"] = summ
     rat = ratios(summaries)
+    goal = goals(summaries)
     table = []
     for s in servers:
         summ = summaries.get(s, {})
@@ -934,12 +963,15 @@ def main(argv: list[str] | None = None) -> int:
     print_table(["server", "weights", "b1 decode tok/s", "b1 TTFT ms", "s16 tok/s", "s64 tok/s", "TTFT 512 ms",
                  "TTFT prefix ms", "start s", "idle PSS MB", "greedy = ours", "status"], table)
     print(json.dumps(rat))
+    for g, v in goal.items():
+        print(f"goal: {g}: ours {v['ours']} vs {v['peer']} {v['peer_value']} = {v['ratio']} (target {v['target']}, "
+              f"{'met' if v['met'] else 'not met'})")
     data = {**info, "benchmark": "peers", "lscpu": lscpu_info(), "checkpoint": str(checkpoint), "threads": threads,
             "context": CONTEXT, "slots": SLOTS, "rounds": args.rounds, "new_tokens": args.new_tokens,
             "b1_requests": args.b1_requests, "ttft_requests": args.ttft_requests,
             "workloads": {w: WORKLOADS[w] for w in workloads}, "peers_dir": str(args.peers_dir),
             "setup": setup, "setup_s": setup_s, "servers": results, "greedy_equality": equality,
-            "greedy_prompt": {"text": EQUALITY_TEXT, "ids": eq_prompt}, "ratios_ours_vs_peer": rat}
+            "greedy_prompt": {"text": EQUALITY_TEXT, "ids": eq_prompt}, "ratios_ours_vs_peer": rat, "goals": goal}
     path = write_result(args.out, data)
     print(f"wrote {path}")
     return 0

@@ -64,6 +64,8 @@ SERVERS: dict[str, dict[str, Any]] = {
     "vllm-default-threads": {"kind": "vllm", "weights": "fp32", "default_threads": True},
     "vllm-no-preload": {"kind": "vllm", "weights": "fp32", "no_preload": True},
     "llama-f32-nocache": {"kind": "llama", "weights": "f32", "extra_args": ["--no-cache-prompt"]},
+    "llama-bf16": {"kind": "llama", "weights": "bf16"},
+    "ours-bf16": {"kind": "ours", "weights": "bf16"},
 }
 DEFAULT_SERVERS = "ours,vllm,llama-f32,llama-f16,llama-q8_0"
 FP32_SERVERS = ("ours", "vllm", "llama-f32", "vllm-default-threads", "vllm-no-preload", "llama-f32-nocache")
@@ -220,7 +222,7 @@ def server_command(name: str, port: int, threads: int, paths: dict[str, Any]) ->
     host = "127.0.0.1"
     if spec["kind"] == "ours":
         return ([paths["python"], "-m", "app", "--checkpoint", str(paths["checkpoint"]), "--host", host,
-                 "--port", str(port), "--device", "cpu", "--dtype", "fp32", "--max-batch-size", str(SLOTS),
+                 "--port", str(port), "--device", "cpu", "--dtype", spec["weights"], "--max-batch-size", str(SLOTS),
                  "--max-queue", "1000", "--torch-threads", str(threads), "--model-name", MODEL_NAME,
                  "--log-level", "warning"], {})
     if spec["kind"] == "vllm":
@@ -748,6 +750,21 @@ def run_server_round(name: str, server: Server, workloads: list[str], args, eq_n
     return rec, ids, eq_err
 
 
+# kind → (extra arguments, why) for a server that dies with SIGSEGV during start-up
+CRASH_FALLBACKS = {
+    "llama": (["--no-repack"], "llama-server's AMX path (ggml_backend_amx_mul_mat, used for q8_0 weights on CPUs with "
+              "amx_int8, as the team's VM) segfaults at warm-up; --no-repack keeps the weights out of it"),
+}
+
+
+def crash_fallback(name: str, rec: dict[str, Any], argv: list[str]) -> list[str] | None:
+    """The fallback arguments for a server whose start-up ended in SIGSEGV, unless it already has them."""
+    fb = CRASH_FALLBACKS.get(SERVERS[name]["kind"])
+    if fb and "exited with -11 during start-up" in rec.get("error", "") and not set(fb[0]) <= set(argv):
+        return list(fb[0])
+    return None
+
+
 KEY_METRICS = {  # workload → (metric, higher is better)
     "b1": [("decode_tok_s_p50", True), ("ttft_ms_p50", False)],
     "s16": [("tok_s", True), ("ttft_ms_p50", False)],
@@ -792,6 +809,32 @@ def ratios(summaries: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
                 if a and b:
                     r[f"{wl}.{m}"] = round(a / b if higher else b / a, 3)
         out[peer] = r
+    return out
+
+
+# issue 17's goals, at equal precision (fp32): (metric, higher is better, peers compared, target ratio)
+GOALS = {
+    "16 streams tok/s vs the better fp32 peer": ("s16.tok_s", True, ("vllm", "llama-f32"), 1.0),
+    "64 streams tok/s vs the better fp32 peer": ("s64.tok_s", True, ("vllm", "llama-f32"), 1.0),
+    "TTFT of distinct 512-token prompts vs the better fp32 peer": ("long512.ttft_ms_p50", False,
+                                                                   ("vllm", "llama-f32"), 1.0),
+    "batch-1 decode tok/s vs llama-server f32": ("b1.decode_tok_s_p50", True, ("llama-f32",), 0.9),
+}
+
+
+def goals(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each goal: ours, the better of the peers measured, their ratio (> 1: ours better) and whether it is met."""
+    out: dict[str, Any] = {}
+    for goal, (metric, higher, names, target) in GOALS.items():
+        ours = ((summaries.get("ours") or {}).get(metric) or {}).get("median")
+        peers_ = {n: ((summaries.get(n) or {}).get(metric) or {}).get("median") for n in names}
+        peers_ = {n: v for n, v in peers_.items() if v}
+        if not ours or not peers_:
+            continue
+        best = (max if higher else min)(peers_, key=peers_.get)
+        ratio = ours / peers_[best] if higher else peers_[best] / ours
+        out[goal] = {"metric": metric, "ours": ours, "peer": best, "peer_value": peers_[best],
+                     "ratio": round(ratio, 3), "target": target, "met": ratio >= target}
     return out
 
 
@@ -841,6 +884,7 @@ def main(argv: list[str] | None = None) -> int:
     for s, why in unavailable.items():
         results[s]["setup_error"] = why
     greedy: dict[str, Any] = {}
+    fallback_args: dict[str, list[str]] = {}
     print(f"servers {runnable} (unavailable: {list(unavailable) or 'none'}), workloads {workloads}, "
           f"{args.rounds} round(s), {threads} threads; logs in {logs}", flush=True)
     for rnd in range(args.rounds):
@@ -849,10 +893,23 @@ def main(argv: list[str] | None = None) -> int:
         for name in order:
             port = free_port()
             argv_, env = server_command(name, port, threads, paths)
+            argv_ += fallback_args.get(name, [])
             server = Server(name, argv_, env, logs / f"{name}.log", port)
             results[name]["command"], results[name]["env"] = argv_, env
             eq_needed = args.equality_tokens > 0 and name not in greedy
             rec, ids, eq_err = run_server_round(name, server, workloads, args, eq_needed, eq_prompt)
+            fallback = crash_fallback(name, rec, argv_)
+            if fallback:  # start it once more with the fallback, and keep that for the later rounds
+                fallback_args[name] = fallback
+                results[name]["fallback"] = {"args": fallback, "first_error": rec["error"][-800:],
+                                             "why": CRASH_FALLBACKS[SERVERS[name]["kind"]][1]}
+                print(f"  {name}: crashed at start-up; again with {fallback}", flush=True)
+                port = free_port()
+                argv_ = server_command(name, port, threads, paths)[0] + fallback
+                server = Server(name, argv_, env, logs / f"{name}.log", port)
+                results[name]["command"] = argv_
+                rec, ids, eq_err = run_server_round(name, server, workloads, args, eq_needed, eq_prompt)
+                rec["fallback"] = fallback
             rec["round"] = rnd + 1
             results[name]["rounds"].append(rec)
             if eq_needed and (ids is not None or eq_err):
@@ -887,6 +944,7 @@ def main(argv: list[str] | None = None) -> int:
     for s, summ in summaries.items():
         results[s]["summary"] = summ
     rat = ratios(summaries)
+    goal = goals(summaries)
     table = []
     for s in servers:
         summ = summaries.get(s, {})
@@ -905,12 +963,15 @@ def main(argv: list[str] | None = None) -> int:
     print_table(["server", "weights", "b1 decode tok/s", "b1 TTFT ms", "s16 tok/s", "s64 tok/s", "TTFT 512 ms",
                  "TTFT prefix ms", "start s", "idle PSS MB", "greedy = ours", "status"], table)
     print(json.dumps(rat))
+    for g, v in goal.items():
+        print(f"goal: {g}: ours {v['ours']} vs {v['peer']} {v['peer_value']} = {v['ratio']} (target {v['target']}, "
+              f"{'met' if v['met'] else 'not met'})")
     data = {**info, "benchmark": "peers", "lscpu": lscpu_info(), "checkpoint": str(checkpoint), "threads": threads,
             "context": CONTEXT, "slots": SLOTS, "rounds": args.rounds, "new_tokens": args.new_tokens,
             "b1_requests": args.b1_requests, "ttft_requests": args.ttft_requests,
             "workloads": {w: WORKLOADS[w] for w in workloads}, "peers_dir": str(args.peers_dir),
             "setup": setup, "setup_s": setup_s, "servers": results, "greedy_equality": equality,
-            "greedy_prompt": {"text": EQUALITY_TEXT, "ids": eq_prompt}, "ratios_ours_vs_peer": rat}
+            "greedy_prompt": {"text": EQUALITY_TEXT, "ids": eq_prompt}, "ratios_ours_vs_peer": rat, "goals": goal}
     path = write_result(args.out, data)
     print(f"wrote {path}")
     return 0

@@ -147,3 +147,28 @@ def test_server_summary_medians_over_rounds_and_counts_failures():
 def test_lscpu_info_has_flags():
     info = peers.lscpu_info()
     assert "error" in info or isinstance(info.get("flags"), list)
+
+
+def test_crash_fallback_only_for_a_segfault_at_start_up_of_llama_server():
+    crashed = {"error": "RuntimeError: exited with -11 during start-up: ..."}
+    assert peers.crash_fallback("llama-q8_0", crashed, ["llama-server"]) == ["--no-repack"]
+    assert peers.crash_fallback("llama-q8_0", crashed, ["llama-server", "--no-repack"]) is None  # tried already
+    assert peers.crash_fallback("llama-q8_0", {"error": "RuntimeError: not ready after 300 s"}, []) is None
+    assert peers.crash_fallback("ours", crashed, []) is None
+
+
+def test_goals_take_the_better_fp32_peer():
+    summ = {"ours": {"s16.tok_s": {"median": 150.0}, "long512.ttft_ms_p50": {"median": 500.0},
+                     "b1.decode_tok_s_p50": {"median": 36.0}},
+            "vllm": {"s16.tok_s": {"median": 200.0}, "long512.ttft_ms_p50": {"median": 400.0}},
+            "llama-f32": {"s16.tok_s": {"median": 120.0}, "long512.ttft_ms_p50": {"median": 450.0},
+                          "b1.decode_tok_s_p50": {"median": 40.0}},
+            "llama-q8_0": {"s16.tok_s": {"median": 999.0}}}  # not fp32: not a goal's peer
+    g = peers.goals(summ)
+    s16 = g["16 streams tok/s vs the better fp32 peer"]
+    assert s16["peer"] == "vllm" and s16["ratio"] == 0.75 and s16["met"] is False
+    ttft = g["TTFT of distinct 512-token prompts vs the better fp32 peer"]
+    assert ttft["peer"] == "vllm" and ttft["ratio"] == 0.8
+    b1 = g["batch-1 decode tok/s vs llama-server f32"]
+    assert b1["ratio"] == 0.9 and b1["met"] is True
+    assert "64 streams tok/s vs the better fp32 peer" not in g  # not measured

@@ -336,9 +336,7 @@ class ProcessEngineClient(EngineClient):
         self._closing = True
         self.accepting = False
         if stop_core:
-            from app.engine.wire import Shutdown as _Shutdown
-
-            self._send(_Shutdown())
+            self._send(Shutdown())
             await asyncio.sleep(0.05)
         if self._reader is not None:
             self._reader.cancel()

@@ -33,7 +33,8 @@ log = logging.getLogger("model.engine_core")
 class EngineCore:
     def __init__(self, model: GPT, *, n_slots: int, vocab_size: int, eos_id: int | None = None,
                  max_len: int | None = None, prefill_chunk: int | None = None,
-                 cuda_graphs: bool | None = None, pad_vocab: bool = True) -> None:
+                 cuda_graphs: bool | None = None, pad_vocab: bool = True, prefix_cache: bool = False,
+                 min_prefix: int = 16) -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -43,7 +44,8 @@ class EngineCore:
         self.sampler = Sampler(n_slots, vocab_size, self.max_len, self.device)
         if pad_vocab:  # the sampler then reads the logits in place, as whole blocks (a server owns its model;
             model.pad_vocab(self.sampler.padded)  # the library leaves a caller's model as it is: it may train on)
-        self.scheduler = Scheduler(n_slots, prefill_chunk, eos_id)
+        # prefix caching (model.prefix_cache): off here; the server turns it on (GPT_PREFIX_CACHE)
+        self.scheduler = Scheduler(n_slots, prefill_chunk, eos_id, prefix_cache=prefix_cache, min_prefix=min_prefix)
         # decode steps from CUDA graphs (model.cuda_graphs): on by default on CUDA, captured at warm-up
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self._graphed = None
@@ -51,7 +53,8 @@ class EngineCore:
         # counters (read by stats())
         self.decode_steps = 0
         self.prefill_chunks = 0
-        self.prompt_tokens = 0
+        self.prompt_tokens = 0  # computed (prefilled)
+        self.copied_tokens = 0  # KV entries copied between slots for prefix reuse
         self.generated_tokens = 0
         self.max_batch_seen = 0
 
@@ -119,13 +122,23 @@ class EngineCore:
 
     def _apply(self, ops) -> None:
         for op in ops:
-            if op[0] == "admit":
-                _, slot, req = op
-                self.cache.reset(slot)
+            kind = op[0]
+            if kind == "admit":
+                _, slot, req, keep = op
+                if keep:
+                    self.cache.truncate(slot, keep)
+                else:
+                    self.cache.reset(slot)
                 self.sampler.admit(slot, req.params, req.prompt, seed=req.seed, top_n=req.top_n)
-            elif op[0] == "move":
+            elif kind == "move":
                 self.cache.move(op[1], op[2])
                 self.sampler.move(op[1], op[2])
+            elif kind == "copy":
+                _, src, dst, n = op
+                self.cache.copy_prefix(src, dst, n)
+                self.copied_tokens += n
+            elif kind == "idle":  # the request left; its cache entries stay for prefix reuse
+                self.sampler.release(op[1])
             else:  # free
                 self.cache.reset(op[1])
                 self.sampler.release(op[1])
@@ -178,4 +191,6 @@ class EngineCore:
         return {"running": s.n_running, "queued": s.n_waiting, "max_batch_size": self.n_slots,
                 "max_batch_seen": self.max_batch_seen, "decode_steps": self.decode_steps,
                 "prefill_chunks": self.prefill_chunks, "prompt_tokens": self.prompt_tokens,
+                "prefix_cache": s.prefix is not None, "prefix_hit_tokens": s.hit_tokens,
+                "prefix_copied_tokens": self.copied_tokens,
                 "generated_tokens": self.generated_tokens, "cuda_graphs": self._graphed is not None}

@@ -52,6 +52,7 @@ class RequestOutput:
     error: ErrorKind | None = None  # set instead of tokens when the core ended it
     message: str = ""  # the error, in words
     queue_s: float | None = None  # on the first output: seconds from arrival to a KV-cache slot
+    cached_tokens: int = 0  # on the first output: prompt tokens reused from the prefix cache, not computed
 
     @property
     def done(self) -> bool:

@@ -59,6 +59,22 @@ class KVCache:
         self.lengths[slot] = 0
         self.lengths_t[slot] = 0
 
+    def truncate(self, slot: int, n: int) -> None:
+        """Keep the slot's first n entries (prefix caching reuses them); n = 0 is `reset`."""
+        if not 0 <= n <= self.lengths[slot]:
+            raise ValueError(f"slot {slot} holds {self.lengths[slot]} tokens; cannot keep {n}")
+        self.lengths[slot] = n
+        self.lengths_t[slot] = n
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """dst holds src's first n entries, and nothing else (prefix caching: a copy instead of a prefill)."""
+        if not 0 <= n <= self.lengths[src]:
+            raise ValueError(f"slot {src} holds {self.lengths[src]} tokens; cannot copy {n}")
+        for t in self.k + self.v:
+            t[dst, :, :n] = t[src, :, :n]
+        self.lengths[dst] = n
+        self.lengths_t[dst] = n
+
     def move(self, src: list[int], dst: list[int]) -> None:
         """Move the sequences in slots `src` to slots `dst` (swaps work): a copy of what they hold, once.
 

@@ -15,6 +15,15 @@ One step, as vLLM V1's `EngineCore.step` runs it: `schedule(now)` → the core e
 - Contiguity: a request whose prompt completes samples its first token, then takes slot n (moving there,
   or swapping with the prompt being prefilled there); a request that ends hands its slot to the last
   decoding one. Moves are recorded as ops, applied by the core in order before the next step computes.
+- Prefix caching (`prefix_cache=True`; the server's default, `GPT_PREFIX_CACHE`): a slot keeps its keys and
+  values when its request ends, and `model.prefix_cache.PrefixIndex` remembers which tokens every slot holds. A
+  new prompt takes the slot with the longest common prefix when that slot is idle (only the rest is prefilled, as
+  llama.cpp's server does), or a free slot into which that prefix is copied from a running one (`("copy", src,
+  dst, n)`: a copy of n tokens costs far less than their prefill); with no match, the least recently used idle
+  slot is overwritten. Reuse needs at least `min_prefix` tokens and always leaves the last prompt token to be
+  computed (its logits are sampled). The moves that keep the decoding batch contiguous become swaps, so what an
+  ending request leaves behind survives. Sampling state (seed, penalty history, positions) is always the new
+  request's own: the sampler is written at admission whatever was reused.
 - Ends: EOS (when the request stops at EOS) or max_new_tokens, decided from the sampled token ids; a
   deadline passed (`ErrorKind.TIMEOUT`); `abort(ids)` from whoever reads the outputs (a stop string, a
   client gone) frees the slot with no output.
@@ -28,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from model.engine_io import EngineRequest, ErrorKind, RequestOutput
+from model.prefix_cache import DEFAULT_BLOCK, PrefixIndex
 from model.stopping import FinishReason
 
 
@@ -40,6 +50,9 @@ class Running:
     prefilled: int = 0  # prompt tokens scheduled into the cache
     generated: int = 0
     admitted_at: float | None = None
+    cached: int = 0  # prompt tokens reused from the prefix cache (not computed)
+    out: list[int] = field(default_factory=list)  # generated token ids (kept only with prefix caching)
+    chain: list[int] | None = None  # the prompt's block hashes (prefix caching)
 
     @property
     def id(self) -> str:
@@ -48,6 +61,18 @@ class Running:
     @property
     def prompt_len(self) -> int:
         return len(self.request.prompt)
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose keys and values are in the slot between steps: the prompt scheduled so far (computed by
+        then) and every generated token but the newest (it is the next decode step's input)."""
+        return self.prefilled + max(0, self.generated - 1)
+
+    def kv_tokens(self, start: int, stop: int) -> list[int]:
+        """Token ids at KV positions [start, stop)."""
+        p = self.prefilled
+        head = self.request.prompt[start:min(stop, p)] if start < p else []
+        return head + self.out[max(0, start - p):max(0, stop - p)]
 
 
 @dataclass
@@ -69,9 +94,12 @@ class Chunk:
 
 
 # Slot operations, applied in order before the step computes:
-#   ("admit", slot, EngineRequest)  reset the slot and write the request's sampling state and prompt
-#   ("move", [src...], [dst...])    move what the slots hold (cache entries and sampler state)
-#   ("free", slot)                  the slot holds nothing now
+#   ("admit", slot, EngineRequest, k)  keep the slot's first k cached tokens (0: reset it), write the request's
+#                                      sampling state and prompt
+#   ("copy", src, dst, k)              dst's cache holds src's first k tokens (prefix caching)
+#   ("move", [src...], [dst...])       move what the slots hold (cache entries and sampler state); swaps work
+#   ("free", slot)                     the slot holds nothing now
+#   ("idle", slot)                     its request left; the cache entries stay for reuse (prefix caching)
 Op = tuple
 
 
@@ -94,11 +122,15 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, n_slots: int, prefill_chunk: int | None = None, eos_id: int | None = None) -> None:
+    def __init__(self, n_slots: int, prefill_chunk: int | None = None, eos_id: int | None = None, *,
+                 prefix_cache: bool = False, min_prefix: int = DEFAULT_BLOCK,
+                 prefix_block: int = DEFAULT_BLOCK) -> None:
         if n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if min_prefix < 1:
+            raise ValueError(f"min_prefix must be >= 1, got {min_prefix}")
         self.n_slots = n_slots
         self.prefill_chunk = prefill_chunk  # None: no budget (every admitted prompt in one step)
         self.eos_id = eos_id
@@ -108,6 +140,12 @@ class Scheduler:
         self.free: list[int] = list(range(n_slots))  # sorted; every free slot is >= len(decoding)
         self.by_id: dict[str, Running] = {}
         self._ops: list[Op] = []  # recorded since the last schedule()
+        # prefix caching: what every slot holds, who holds it, when it was last used (LRU eviction)
+        self.prefix = PrefixIndex(n_slots, prefix_block) if prefix_cache else None
+        self.min_prefix = min_prefix
+        self.used_at = [0] * n_slots
+        self._clock = 0
+        self.hit_tokens = 0  # prompt tokens reused, since start
 
     # ------------------------------------------------------------------ state
     @property
@@ -151,12 +189,20 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self, now: float) -> Step:
         step = Step(ended=self.expire(now))
+        if self.waiting and self.free and self.prefix is not None:
+            self._sync_prefix()
+        held_back: list[Running] = []
         while self.waiting and self.free:
             r = self.waiting.popleft()
-            r.slot = self.free.pop(0)
+            if self.prefix is None:
+                r.slot = self.free.pop(0)
+                self._ops.append(("admit", r.slot, r.request, 0))
+            elif not self._admit_reusing(r):
+                held_back.append(r)
+                continue
             r.admitted_at = now
             self.prefilling.append(r)
-            self._ops.append(("admit", r.slot, r.request))
+        self.waiting.extendleft(reversed(held_back))
         self._plan_prefill(step)
         step.decode = list(self.decoding)
         step.ops, self._ops = self._ops, []
@@ -172,6 +218,8 @@ class Scheduler:
             if self.by_id.get(r.id) is not r:  # ended meanwhile (cannot happen within one step; kept safe)
                 continue
             r.generated += 1
+            if self.prefix is not None:
+                r.out.append(d.token)
             params = r.request.params
             finish = None
             if params.stop_at_eos and d.token == self.eos_id:
@@ -181,6 +229,7 @@ class Scheduler:
             out = RequestOutput(r.id, [d.token], [d.logprob], [d.top] if r.request.top_n else None, finish)
             if r.generated == 1:
                 out.queue_s = max(0.0, (r.admitted_at or r.request.arrival) - r.request.arrival)
+                out.cached_tokens = r.cached
             outputs.append(out)
             if finish is not None:
                 del self.by_id[r.id]
@@ -243,41 +292,139 @@ class Scheduler:
         target, src = len(self.decoding), r.slot
         if src != target:
             holder = next((q for q in [*self.prefilling, *later] if q.slot == target), None)
-            if holder is None:  # the target is free: move
-                self._ops.append(("move", [src], [target]))
-                self.free.remove(target)
-                bisect.insort(self.free, src)
-                self._ops.append(("free", src))
-            else:  # a prompt being prefilled holds it: swap the two
+            if holder is not None:  # a prompt being prefilled holds it: swap the two
                 self._ops.append(("move", [src, target], [target, src]))
                 holder.slot = src
+            elif self.prefix is None:  # the target is free: move
+                self._ops.append(("move", [src], [target]))
+                self._ops.append(("free", src))
+            else:  # free but maybe caching a prefix: swap, so what it holds survives in src
+                self._ops.append(("move", [src, target], [target, src]))
+            if holder is None:
+                self.free.remove(target)
+                bisect.insort(self.free, src)
+            if self.prefix is not None:
+                self.prefix.swap(src, target)
             r.slot = target
         self.decoding.append(r)
 
     def _release_all(self) -> list[Running]:
-        """Every request holding a slot leaves it (no moves: nothing stays to be kept contiguous)."""
+        """Every request holding a slot leaves it (no moves: nothing stays to be kept contiguous). The prefix cache
+        is emptied too: a failed step may have stopped half-way through its copies and swaps."""
         holders = self.prefilling + self.decoding
+        if self.prefix is None:
+            freed = [r.slot for r in holders]
+        else:
+            freed = list(range(self.n_slots))
+            self.prefix.clear()
+        for slot in freed:
+            self._ops.append(("free", slot))
         for r in holders:
-            self._ops.append(("free", r.slot))
             r.slot = None
         self.prefilling, self.decoding = [], []
         self.free = list(range(self.n_slots))
         return holders
 
     def _release(self, r: Running) -> None:
-        """r leaves its slot; the last decoding request takes the freed slot so slots stay 0..n-1."""
+        """r leaves its slot; the last decoding request takes the freed slot so slots stay 0..n-1 (with prefix
+        caching the two swap, so r's cache entries stay behind in the slot it leaves free)."""
         freed = r.slot
+        if self.prefix is not None:
+            self._sync(r)
         if r in self.prefilling:
             self.prefilling.remove(r)
         elif freed < len(self.decoding) and self.decoding[freed] is r:
             last = len(self.decoding) - 1
             if freed != last:
                 moved = self.decoding[last]
-                self._ops.append(("move", [last], [freed]))
+                if self.prefix is None:
+                    self._ops.append(("move", [last], [freed]))
+                else:
+                    self._ops.append(("move", [last, freed], [freed, last]))
+                    self.prefix.swap(last, freed)
                 moved.slot = freed
                 self.decoding[freed] = moved
                 freed = last
             self.decoding.pop()
-        self._ops.append(("free", freed))
+        if self.prefix is None:
+            self._ops.append(("free", freed))
+        else:
+            self._ops.append(("idle", freed))
+            self._clock += 1
+            self.used_at[freed] = self._clock
         bisect.insort(self.free, freed)
         r.slot = None
+
+    # ------------------------------------------------------------------ prefix caching
+    def _reusable(self, r: Running) -> bool:
+        """Whether r may start from a cached prefix."""
+        return True
+
+    def _sync(self, r: Running) -> None:
+        """Bring the index up to what r's slot holds now (it grows as r is prefilled and decodes)."""
+        have, want = len(self.prefix.tokens[r.slot]), r.kv_len
+        if want > have:
+            self.prefix.extend(r.slot, r.kv_tokens(have, want))
+
+    def _sync_prefix(self) -> None:
+        for r in self.prefilling:
+            self._sync(r)
+        for r in self.decoding:
+            self._sync(r)
+
+    def _admit_reusing(self, r: Running) -> bool:
+        """Admit r into a slot, reusing the longest cached prefix of its prompt found in any slot; or hold it back
+        (False) while a request being prefilled is computing a longer prefix of it (a burst of requests sharing a
+        system prompt then prefills it once, not once per request)."""
+        prompt = r.request.prompt
+        reusable = self._reusable(r)
+        if reusable and r.chain is None:
+            r.chain = self.prefix.chain(prompt)
+        k, cands = self.prefix.match(prompt, r.chain) if reusable else (0, [])
+        k = min(k, len(prompt) - 1)  # the last prompt token is always computed: its logits are sampled
+        if reusable and self._pending_prefix(r) - max(k, 0) >= max(self.min_prefix, self.prefix.block):
+            return False
+        src = None
+        if k >= self.min_prefix:
+            free = set(self.free)
+            for s in sorted(cands, key=lambda s: s not in free):  # idle slots first: no copy needed
+                if self.prefix.holds(s, prompt, k):
+                    src = s
+                    break
+        if src is None:
+            k = 0
+        self._clock += 1
+        if src is not None and src in free:
+            slot = src
+            self.prefix.truncate(slot, k)
+        else:
+            # no reusable idle slot: overwrite an empty one, else the least recently used
+            slot = min(self.free, key=lambda s: (len(self.prefix.tokens[s]) > 0, self.used_at[s]))
+            if src is not None:
+                self._ops.append(("copy", src, slot, k))
+                self.prefix.copy(src, slot, k)
+                self.used_at[src] = self._clock
+            else:
+                self.prefix.truncate(slot, 0)
+        self.free.remove(slot)
+        self.used_at[slot] = self._clock
+        r.slot, r.prefilled, r.cached = slot, k, k
+        self.hit_tokens += k
+        self._ops.append(("admit", slot, r.request, k))
+        return True
+
+    def _pending_prefix(self, r: Running) -> int:
+        """The longest prefix of r's prompt (whole blocks, below its last token) that a request being prefilled will
+        have computed once its prompt is in, beyond what it holds now."""
+        best = 0
+        limit = (len(r.request.prompt) - 1) // self.prefix.block
+        for q in self.prefilling:
+            if q.chain is None or q.prefilled >= q.prompt_len:
+                continue
+            n = 0
+            for a, b in zip(r.chain[:limit], q.chain):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n * self.prefix.block)
+        return best

@@ -100,3 +100,60 @@ def test_shutdown_ends_everything_with_shutdown(ckpt):
     outs = core.shutdown()
     assert sorted(o.request_id for o in outs) == ["0", "1", "2"] and {o.error for o in outs} == {ErrorKind.SHUTDOWN}
     assert not core.has_work()
+
+
+# ---------------------------------------------------------------------------------------------- prefix caching
+def conversation(core: EngineCore, ckpt, params: dict, turns: int = 4, top_n: int = 2) -> list[list]:
+    """Turns of one chat, each prompt = the previous prompt + its reply + new text; plus an unrelated request and
+    a sibling that shares the first turn, interleaved so reuse comes from idle and from running slots."""
+    tok = ckpt.tokenizer
+    prompt = tok.encode("ROMEO: what light? JULIET: ")  # the tiny model's context is 128 bytes
+    results = []
+    for t in range(turns):
+        reqs = [EngineRequest(f"t{t}", list(prompt), SamplingParams(**params), seed=11 + t, top_n=top_n),
+                EngineRequest(f"o{t}", tok.encode(f"unrelated {t} "), SamplingParams(**params), seed=5, top_n=top_n)]
+        if t:
+            reqs.append(EngineRequest(f"s{t}", results[0][0] + tok.encode(" and then"), SamplingParams(**params),
+                                      seed=7, top_n=top_n))
+        got = drive(core, reqs)
+        outs = got[f"t{t}"]
+        results.append((list(prompt), sum(len(r.prompt) for r in reqs), got))
+        prompt = prompt + [o.token_ids[0] for o in outs] + tok.encode(f" t{t}: more ")
+    return results
+
+
+@pytest.mark.parametrize("params", [
+    dict(max_new_tokens=12, temperature=0),
+    dict(max_new_tokens=12, temperature=0.8, top_p=0.9, repetition_penalty=1.2, presence_penalty=0.4),
+    dict(max_new_tokens=12, temperature=1.0, top_k=8, frequency_penalty=0.3),
+])
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_a_reused_prefix_gives_the_tokens_of_a_fresh_prefill(ckpt, params, chunk):
+    kw = dict(n_slots=3, vocab_size=ckpt.tokenizer.vocab_size, eos_id=None, prefill_chunk=chunk)
+    fresh = conversation(EngineCore(ckpt.model, **kw), ckpt, params)
+    core = EngineCore(ckpt.model, **kw, prefix_cache=True, min_prefix=4)
+    cached = conversation(core, ckpt, params)
+    hits = 0
+    for (p0, _, got0), (p1, _, got1) in zip(fresh, cached):
+        assert p0 == p1
+        for rid, outs0 in got0.items():
+            outs1 = got1[rid]
+            # greedy and seeded sampled requests: the same tokens; logprobs and top-n as a fresh prefill gives them
+            # (the margins of this model's top two logits are far above the last bits a batch shape can change)
+            assert [o.token_ids for o in outs1] == [o.token_ids for o in outs0], rid
+            assert [o.logprobs[0] for o in outs1] == pytest.approx([o.logprobs[0] for o in outs0], abs=1e-4)
+            assert [[i for i, _ in o.top[0]] for o in outs1] == [[i for i, _ in o.top[0]] for o in outs0]
+            assert outs0[0].cached_tokens == 0
+            hits += outs1[0].cached_tokens
+    s = core.stats()
+    assert hits > 100 and s["prefix_hit_tokens"] == hits  # the metric counts reused tokens exactly
+    total = sum(n for _, n, _ in cached)
+    assert s["prompt_tokens"] == total - hits  # and computed ones: every prompt token is one or the other
+
+
+def test_margins_of_the_reuse_test_set_are_not_tiny(ckpt):
+    """The equality above is only promised where a last-bit difference cannot flip the argmax: check the set."""
+    kw = dict(n_slots=3, vocab_size=ckpt.tokenizer.vocab_size, eos_id=None)
+    for _, _, got in conversation(EngineCore(ckpt.model, **kw), ckpt, dict(max_new_tokens=12, temperature=0)):
+        for outs in got.values():
+            assert min(o.top[0][0][1] - o.top[0][1][1] for o in outs) > 1e-3

@@ -196,3 +196,216 @@ def test_random_traffic_keeps_every_invariant(seed):
         apply(slots, step.ops)
         check_invariants(s, slots)
         s.update(step, [D(EOS if rng.random() < 0.05 else 5) for _ in step.sampled])
+
+
+# ---------------------------------------------------------------------------------------------- prefix caching
+class KV:
+    """What the core's cache holds, slot by slot, as token lists: the ops applied as the engine core applies them,
+    then the step's computation appends what it writes. The scheduler's claims are checked against this."""
+
+    def __init__(self, n: int) -> None:
+        self.slots: list[list[int]] = [[] for _ in range(n)]
+        self.copied = 0
+
+    def apply(self, ops) -> None:
+        for op in ops:
+            if op[0] == "admit":
+                _, slot, _, keep = op
+                assert len(self.slots[slot]) >= keep
+                self.slots[slot] = self.slots[slot][:keep]
+            elif op[0] == "copy":
+                _, src, dst, n = op
+                assert len(self.slots[src]) >= n
+                self.slots[dst] = self.slots[src][:n]
+                self.copied += n
+            elif op[0] == "move":
+                moved = [self.slots[x] for x in op[1]]
+                for x in set(op[1]) - set(op[2]):
+                    self.slots[x] = []
+                for d, content in zip(op[2], moved):
+                    self.slots[d] = content
+            elif op[0] == "free":
+                self.slots[op[1]] = []
+            else:
+                assert op[0] == "idle"
+
+    def compute(self, step) -> None:
+        for c in step.prefills:
+            for r in c.reqs:
+                assert len(self.slots[r.slot]) == c.start
+                self.slots[r.slot] += r.request.prompt[c.start:c.start + c.n]
+        for r in step.decode:
+            self.slots[r.slot].append(r.out[-1])  # the newest token is this step's input
+
+
+def preq(rid: str, prompt: list[int], max_new: int = 4) -> EngineRequest:
+    return EngineRequest(rid, prompt, SamplingParams(max_new_tokens=max_new, stop_at_eos=False), seed=1)
+
+
+def step_kv(s: Scheduler, kv: KV, token: int = 5, now: float = 0.0):
+    step = s.schedule(now)
+    kv.apply(step.ops)
+    kv.compute(step)
+    return step, s.update(step, [D(token) for _ in step.sampled])
+
+
+def finish_all(s: Scheduler, kv: KV, token: int = 5) -> dict:
+    outs: dict = {}
+    while s.has_work():
+        for o in step_kv(s, kv, token)[1]:
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def test_a_next_turn_reuses_its_conversation_from_the_idle_slot():
+    s, kv = Scheduler(4, prefill_chunk=64, eos_id=EOS, prefix_cache=True, min_prefix=4, prefix_block=4), KV(4)
+    turn1 = list(range(100, 120))
+    s.add(preq("t1", turn1, max_new=5))
+    finish_all(s, kv, token=7)
+    # the slot keeps the prompt and the reply but its newest token (never fed back)
+    assert kv.slots[0] == turn1 + [7] * 4
+    turn2 = turn1 + [7] * 5 + list(range(200, 210))
+    s.add(preq("t2", turn2, max_new=2))
+    step = s.schedule(0.0)
+    assert step.ops[-1][:2] == ("admit", 0) and step.ops[-1][3] == 24  # all that was computed
+    assert (step.prefills[0].start, step.prefills[0].n) == (24, len(turn2) - 24)
+    kv.apply(step.ops)
+    kv.compute(step)
+    outs = s.update(step, [D(5)])
+    assert outs[0].cached_tokens == 24 and s.hit_tokens == 24
+
+
+def test_an_equal_prompt_still_computes_its_last_token():
+    s, kv = Scheduler(2, eos_id=EOS, prefix_cache=True, min_prefix=4, prefix_block=4), KV(2)
+    p = list(range(16))
+    s.add(preq("a", p, max_new=1))
+    finish_all(s, kv)
+    s.add(preq("b", p, max_new=1))
+    step = s.schedule(0.0)
+    assert [(c.start, c.n) for c in step.prefills] == [(15, 1)]
+
+
+def test_a_running_slot_lends_its_prefix_by_copy_and_the_longest_wins():
+    s, kv = Scheduler(4, eos_id=EOS, prefix_cache=True, min_prefix=4, prefix_block=4), KV(4)
+    system = list(range(50, 70))
+    s.add(preq("short", system[:8] + [1, 2, 3], max_new=3))
+    finish_all(s, kv)  # idle slot 0 holds 8 of the system prompt + 3 others + 2 generated
+    s.add(preq("long", system + [9], max_new=50))
+    step_kv(s, kv)  # admitted into idle slot 0 (8 reused), prefilled; still running
+    long_slot = s.by_id["long"].slot
+    s.add(preq("q", system + [4, 4], max_new=2))
+    step = s.schedule(0.0)
+    copy = [op for op in step.ops if op[0] == "copy"]
+    assert copy == [("copy", long_slot, copy[0][2], 20)]  # from the running one, the longest (20 > 8)
+    kv.apply(step.ops)
+    kv.compute(step)
+    assert kv.slots[copy[0][2]][:20] == system
+
+
+def test_a_request_cancelled_mid_prefill_leaves_only_what_was_computed():
+    s, kv = Scheduler(2, prefill_chunk=8, eos_id=EOS, prefix_cache=True, min_prefix=4, prefix_block=4), KV(2)
+    p = list(range(30))
+    s.add(preq("a", p))
+    step_kv(s, kv)
+    step_kv(s, kv)  # 16 computed
+    s.abort(["a"])
+    assert s.prefix.tokens[0] == p[:16] and kv.slots[0] == p[:16]
+    s.add(preq("b", p))
+    step = s.schedule(0.0)
+    assert step.prefills[0].start == 16
+
+
+def test_least_recently_used_idle_slots_are_overwritten_first():
+    s, kv = Scheduler(3, eos_id=EOS, prefix_cache=True, min_prefix=4, prefix_block=4), KV(3)
+    for i in range(3):
+        s.add(preq(f"r{i}", [i] * 8, max_new=1))
+        finish_all(s, kv)
+    # every slot caches one prompt; r0's (slot 0) is the oldest
+    assert sorted(tuple(t[:1]) for t in kv.slots) == [(0,), (1,), (2,)]
+    oldest = next(i for i, t in enumerate(kv.slots) if t[:1] == [0])
+    s.add(preq("new", [9] * 8, max_new=1))
+    step = s.schedule(0.0)
+    assert step.ops[-1][:2] == ("admit", oldest) and step.ops[-1][3] == 0
+
+
+def test_prefix_caching_off_is_the_old_scheduler_op_for_op():
+    import random
+
+    for seed in range(3):
+        a, b = Scheduler(4, prefill_chunk=8, eos_id=EOS), Scheduler(4, prefill_chunk=8, eos_id=EOS)
+        rng = random.Random(seed)
+        for t in range(60):
+            if rng.random() < 0.5:
+                r = preq(f"r{t}", [rng.randrange(3) for _ in range(rng.randint(1, 20))], max_new=rng.randint(1, 6))
+                a.add(r)
+                b.add(r)
+            sa, sb = a.schedule(float(t)), b.schedule(float(t))
+            assert sa.ops == sb.ops
+            draws = [D(EOS if rng.random() < 0.1 else 5) for _ in sa.sampled]
+            a.update(sa, draws)
+            b.update(sb, draws)
+        assert a.prefix is None and a.hit_tokens == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traffic_with_prefix_caching_keeps_the_cache_true(seed):
+    """Conversations that grow, shared prefixes, aborts, EOS: after every step each running request's slot holds
+    exactly its tokens, the index never claims more than a slot holds, and every reuse was a true prefix."""
+    import random
+
+    rng = random.Random(seed)
+    n_slots = rng.choice([2, 4, 6])
+    s = Scheduler(n_slots, prefill_chunk=rng.choice([3, 8, None]), eos_id=EOS, prefix_cache=True,
+                  min_prefix=rng.choice([1, 3, 6]), prefix_block=3)
+    kv = KV(n_slots)
+    convs = [[rng.randrange(1, 4) for _ in range(rng.randint(2, 10))] for _ in range(4)]
+    n = hits = 0
+    for t in range(300):
+        for _ in range(rng.randint(0, 2)):
+            c = rng.randrange(len(convs))
+            convs[c] = (convs[c] + [rng.randrange(1, 4) for _ in range(rng.randint(1, 6))])[:60]
+            s.add(preq(f"r{n}", list(convs[c]), max_new=rng.randint(1, 6)))
+            n += 1
+        if rng.random() < 0.1 and s.by_id:
+            s.abort([rng.choice(list(s.by_id))])
+        step = s.schedule(float(t))
+        kv.apply(step.ops)  # the slots now hold what the step starts from
+        slots: dict = {}
+        for op in step.ops:
+            if op[0] == "admit":
+                assert kv.slots[op[1]] == op[2].prompt[:op[3]]  # what is kept is the prompt's own prefix
+                assert op[3] < len(op[2].prompt)
+                hits += op[3]
+        for r in s.prefilling + s.decoding:
+            slots[r.slot] = r.id
+        check_invariants(s, slots)
+        scheduled = {r.id: c.n for c in step.prefills for r in c.reqs}
+        for r in s.prefilling + s.decoding:
+            assert kv.slots[r.slot] == r.kv_tokens(0, r.kv_len - scheduled.get(r.id, 0))
+        for i, held in enumerate(s.prefix.tokens):  # the index never claims more than a slot holds
+            assert kv.slots[i][:len(held)] == held
+        kv.compute(step)
+        s.update(step, [D(EOS if rng.random() < 0.05 else rng.randrange(1, 4)) for _ in step.sampled])
+    assert s.hit_tokens == hits and hits > 0
+
+
+def test_a_burst_sharing_a_system_prompt_prefills_it_once():
+    s, kv = Scheduler(4, prefill_chunk=16, eos_id=EOS, prefix_cache=True, min_prefix=4, prefix_block=4), KV(4)
+    system = list(range(100, 140))
+    for i in range(4):
+        s.add(preq(f"r{i}", system + [i, i, i], max_new=3))
+    step = s.schedule(0.0)
+    assert [op[0] for op in step.ops] == ["admit"] and s.n_waiting == 3  # the others wait for its prefix
+    kv.apply(step.ops)
+    kv.compute(step)
+    s.update(step, [D(5) for _ in step.sampled])
+    computed = step.prefills[0].n
+    outs = {}
+    while s.has_work():
+        step, got = step_kv(s, kv)
+        computed += sum(c.n * len(c.reqs) for c in step.prefills)
+        for o in got:
+            outs.setdefault(o.request_id, []).append(o)
+    assert computed == 43 + 3 * 3  # the system prompt once; the others only their own 3-token tails
+    assert [outs[f"r{i}"][0].cached_tokens for i in range(4)] == [0, 40, 40, 40] and s.hit_tokens == 3 * 40
+    assert all(len(v) == 3 for v in outs.values())

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, help="cap on max_new_tokens (env GPT_MAX_NEW_TOKENS)")
     p.add_argument("--request-timeout-s", type=float, help="per-request limit (env GPT_REQUEST_TIMEOUT_S, 300)")
     p.add_argument("--prefill-chunk", type=int, help="prompt tokens per engine step (env GPT_PREFILL_CHUNK, 128)")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse cached prompt prefixes (env GPT_PREFIX_CACHE, default on)")
     p.add_argument("--cors-origins", help="comma-separated allowed origins (env GPT_CORS_ORIGINS)")
     p.add_argument("--torch-threads", type=int, help="CPU threads for torch ops (env GPT_TORCH_THREADS)")
     p.add_argument("--model-name", help="model id shown by /info and /v1/models (env GPT_MODEL_NAME)")

@@ -54,6 +54,11 @@ class Settings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="comma-separated allowed origins ('*' for any); empty: no CORS")
     prefill_chunk: int = Field(128, ge=1, description="prompt tokens prefilled per engine step")
+    prefix_cache: bool = Field(True, description="reuse the KV cache of a prompt prefix that a slot already holds "
+                               "(a conversation's earlier turns, a shared system prompt); off: every prompt is "
+                               "prefilled from scratch")
+    prefix_cache_min_tokens: int = Field(16, ge=1, description="shortest prefix worth reusing (matched in whole "
+                                         "blocks of 16 tokens, then token by token)")
     max_stop_sequences: int = Field(16, ge=0)
     max_stop_length: int = Field(256, ge=1, description="characters per stop sequence")
     max_top_n_tokens: int = Field(5, ge=0, description="cap on top_n_tokens / logprobs alternatives")

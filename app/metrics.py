@@ -35,7 +35,12 @@ class EngineCollector:
 
     def collect(self):
         s = self.stats() or {}
-        yield CounterMetricFamily("gpt_prompt_tokens", "Prompt tokens prefilled", value=s.get("prompt_tokens", 0))
+        computed, hit = s.get("prompt_tokens", 0), s.get("prefix_hit_tokens", 0)
+        yield CounterMetricFamily("gpt_prompt_tokens", "Prompt tokens prefilled (computed)", value=computed)
+        yield CounterMetricFamily("gpt_prefix_cache_hit_tokens", "Prompt tokens reused from the prefix cache "
+                                  "(not computed)", value=hit)
+        yield GaugeMetricFamily("gpt_prefix_cache_hit_rate", "Share of all prompt tokens so far that were reused "
+                                "from the prefix cache", value=hit / (hit + computed) if hit + computed else 0.0)
         yield CounterMetricFamily("gpt_generated_tokens", "Tokens generated", value=s.get("generated_tokens", 0))
         yield CounterMetricFamily("gpt_decode_steps", "Engine decode steps", value=s.get("decode_steps", 0))
         yield GaugeMetricFamily("gpt_queue_size", "Requests waiting for a KV-cache slot", value=s.get("queued", 0))

@@ -225,7 +225,8 @@ def test_completions(client, tiny_ckpt):  # noqa: F811
     assert "".join(lp["tokens"]) == ref.text and len(lp["token_logprobs"]) == 8
     assert lp["text_offset"][0] == 0 and all(len(t) == 2 for t in lp["top_logprobs"])
     n = len(ref.prompt)
-    assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 8, "total_tokens": n + 8}
+    assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 8, "total_tokens": n + 8,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     # a list of one string, token ids, echo; default max_tokens is 16 (OpenAI's)
     same = client.post("/v1/completions", json={"prompt": ["hello"], "max_tokens": 8, "temperature": 0}).json()
     ids = client.post("/v1/completions", json={"prompt": ref.prompt, "max_tokens": 8, "temperature": 0}).json()
@@ -455,6 +456,35 @@ def test_metrics_count_requests_and_tokens(tiny_ckpt):  # noqa: F811
         assert "gpt_inter_token_latency_seconds_count 6.0" in text
         assert "gpt_queue_time_seconds_count 2.0" in text and "gpt_request_latency_seconds_count 2.0" in text
         assert "gpt_queue_size 0.0" in text and "gpt_batch_size 0.0" in text
+
+
+def test_a_next_turn_reuses_the_cached_prefix_and_says_so(tiny_ckpt):  # noqa: F811
+    """Prefix caching through the API: usage reports the reused tokens, the metrics count them exactly, and the
+    text (stop strings included) is what a server without the cache gives."""
+    turn1 = "ROMEO: But soft, what light through yonder window breaks? "
+    bodies = [{"prompt": turn1, "max_tokens": 12, "temperature": 0, "stop": ["zz"]},
+              {"prompt": turn1 + "It is the east. ", "max_tokens": 12, "temperature": 0.9, "seed": 3, "stop": ["e"],
+               "logprobs": 2}]
+    outs = {}
+    for on in (True, False):
+        with app_client(tiny_ckpt, prefix_cache=on) as c:
+            outs[on] = [c.post("/v1/completions", json=b).json() for b in bodies]
+            text = c.get("/metrics").text
+            engine = c.get("/info").json()["engine"]
+        n1, n2 = outs[on][0]["usage"]["prompt_tokens"], outs[on][1]["usage"]["prompt_tokens"]
+        cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs[on]]
+        if on:
+            assert cached[0] == 0 and n1 - 16 < cached[1] <= n1 + 11  # turn 1's prompt (block-matched) at least
+            assert f"gpt_prefix_cache_hit_tokens_total {cached[1]}.0" in text
+            assert f"gpt_prompt_tokens_total {n1 + n2 - cached[1]}.0" in text
+            assert engine["prefix_cache"] is True and engine["prefix_hit_tokens"] == cached[1]
+        else:
+            assert cached == [0, 0] and "gpt_prefix_cache_hit_tokens_total 0.0" in text
+    for a, b in zip(outs[True], outs[False]):
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        assert a["choices"][0]["finish_reason"] == b["choices"][0]["finish_reason"]
+        if "logprobs" in a["choices"][0] and a["choices"][0]["logprobs"]:
+            assert a["choices"][0]["logprobs"]["tokens"] == b["choices"][0]["logprobs"]["tokens"]
 
 
 def test_health_is_503_while_warming_up_and_requests_wait(tiny_ckpt, monkeypatch):  # noqa: F811

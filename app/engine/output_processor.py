@@ -28,6 +28,7 @@ class Finished:
     seed: int
     prompt_tokens: int
     text: str
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
 
 @dataclass
@@ -69,6 +70,7 @@ class RequestState:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.closed = False  # the last item (Finished or Failed) was queued, or the request was cancelled
         self.last_token_at = 0.0
+        self.cached_tokens = 0  # from the first output: prompt tokens the core reused instead of computing
         self._abort = abort
 
     @property
@@ -150,6 +152,8 @@ class OutputProcessor:
                 top = None
                 if out.top is not None and st.top_n:
                     top = [(t, self.tokenizer.decode([t]), v) for t, v in out.top[i][:st.top_n]]
+                if n == 1:
+                    st.cached_tokens = out.cached_tokens
                 if self.on_token is not None:
                     self.on_token(st, n == 1, now, out.queue_s)
                 st.last_token_at = now
@@ -157,7 +161,7 @@ class OutputProcessor:
                 if ev.finish_reason is None:
                     st.queue.put_nowait(item)
                     continue
-                item.finished = Finished(ev.finish_reason, n, st.seed, len(st.prompt), st.seq.text)
+                item.finished = Finished(ev.finish_reason, n, st.seed, len(st.prompt), st.seq.text, st.cached_tokens)
                 self._end(st, item, ev.finish_reason)
                 if out.finish is None:  # a stop string: the core has not finished it
                     stopped.append(st.id)

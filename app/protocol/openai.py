@@ -116,10 +116,15 @@ class DetokenizeRequest(BaseModel):
 
 
 # ------------------------------------------------------------------------------------------- responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="prompt tokens reused from the prefix cache (not computed)")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -39,14 +39,18 @@ def finish(reason: FinishReason) -> str:
     return "length" if reason == FinishReason.LENGTH else "stop"
 
 
-def usage(n_prompt: int, n_new: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
+def usage(n_prompt: int, n_new: int, cached: int = 0) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def total_usage(results: dict[int, list[TokenOut]], plan: Plan) -> dict:
-    """Prompt tokens once per prompt (as OpenAI counts them), completion tokens over all choices."""
+    """Prompt tokens once per prompt (as OpenAI counts them), completion tokens over all choices; cached tokens
+    (reused from the prefix cache) once per prompt too, as its first choice found them."""
     n_prompt = sum(len(p.ids) for p in plan.prompts)
-    return usage(n_prompt, sum(toks[-1].finished.generated_tokens for toks in results.values()))
+    cached = sum(results[i * plan.n][-1].finished.cached_tokens for i in range(len(plan.prompts))
+                 if i * plan.n in results)
+    return usage(n_prompt, sum(toks[-1].finished.generated_tokens for toks in results.values()), cached)
 
 
 @dataclass

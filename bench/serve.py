@@ -117,7 +117,7 @@ class Server:
     """
 
     def __init__(self, checkpoint: Path, max_batch: int | None, threads: int, log: Path,
-                 engine: str | None = None) -> None:
+                 engine: str | None = None, extra_env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "GPT_MAX_BATCH_SIZE"}
@@ -129,6 +129,7 @@ class Server:
             env["GPT_MAX_BATCH_SIZE"] = str(max_batch)
         if engine is not None:  # process (the default: the engine core in its own process) or thread
             env["GPT_ENGINE"] = engine
+        env.update(extra_env or {})
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "app", "--checkpoint", str(checkpoint), "--host", "127.0.0.1",

@@ -15,7 +15,9 @@ One step, as vLLM V1's `EngineCore.step` runs it: `schedule(now)` → the core e
 - Contiguity: a request whose prompt completes samples its first token, then takes slot n (moving there,
   or swapping with the prompt being prefilled there); a request that ends hands its slot to the last
   decoding one. Moves are recorded as ops, applied by the core in order before the next step computes.
-- Ends: EOS (when the request stops at EOS) or max_new_tokens, decided from the sampled token ids; a
+- Ends: EOS (when the request stops at EOS), one of its stop_token_ids (both only once it has min_tokens
+  tokens), or max_new_tokens, decided from the sampled token ids; a request with max_new_tokens 0 (it only
+  scores its prompt: prompt log-probabilities) ends with LENGTH right after its prefill, nothing sampled; a
   deadline passed (`ErrorKind.TIMEOUT`); `abort(ids)` from whoever reads the outputs (a stop string, a
   client gone) frees the slot with no output.
 """
@@ -67,6 +69,14 @@ class Chunk:
     def slots(self) -> list[int]:
         return [r.slot for r in self.reqs]
 
+    @property
+    def sampled(self) -> list[int]:
+        """Indices into reqs of the requests that sample a token after this chunk (none unless it completes;
+        a request with max_new_tokens 0 never does)."""
+        if not self.completes:
+            return []
+        return [i for i, r in enumerate(self.reqs) if r.request.params.max_new_tokens > 0]
+
 
 # Slot operations, applied in order before the step computes:
 #   ("admit", slot, EngineRequest)  reset the slot and write the request's sampling state and prompt
@@ -85,7 +95,7 @@ class Step:
     @property
     def sampled(self) -> list[Running]:
         """The requests that get a token this step, in the order the core samples them."""
-        out = [r for c in self.prefills if c.completes for r in c.reqs]
+        out = [c.reqs[i] for c in self.prefills for i in c.sampled]
         return out + self.decode
 
     @property
@@ -174,8 +184,11 @@ class Scheduler:
             r.generated += 1
             params = r.request.params
             finish = None
-            if params.stop_at_eos and d.token == self.eos_id:
+            may_stop = r.generated > params.min_tokens  # the sampler suppresses stops until then
+            if params.stop_at_eos and d.token == self.eos_id and may_stop:
                 finish = FinishReason.EOS
+            elif params.stop_token_ids and d.token in params.stop_token_ids and may_stop:
+                finish = FinishReason.STOP
             elif r.generated >= params.max_new_tokens:
                 finish = FinishReason.LENGTH
             out = RequestOutput(r.id, [d.token], [d.logprob], [d.top] if r.request.top_n else None, finish)
@@ -187,6 +200,15 @@ class Scheduler:
                 self._release(r)
             elif id(r) in completed:
                 joining.append(r)
+        for c in step.prefills:  # prompts scored only: done once prefilled
+            if c.completes:
+                for r in c.reqs:
+                    if r.request.params.max_new_tokens == 0 and self.by_id.get(r.id) is r:
+                        out = RequestOutput(r.id, [], [], None, FinishReason.LENGTH)
+                        out.queue_s = max(0.0, (r.admitted_at or r.request.arrival) - r.request.arrival)
+                        outputs.append(out)
+                        del self.by_id[r.id]
+                        self._release(r)
         for i, r in enumerate(joining):
             self._join_decoding(r, joining[i + 1:])
         return outputs

@@ -35,8 +35,10 @@ from model.scheduler import Scheduler, Step
 
 log = logging.getLogger("model.engine_core")
 
-# logits computed at once for prompt log-probabilities: 4M floats (16 MB in fp32), GPT-2's vocabulary in 83-row pieces
-PROMPT_LOGPROBS_PIECE = 1 << 22
+# logits computed at once for prompt log-probabilities: 2M (8 MB in fp32; GPT-2's vocabulary in 41-row pieces). A
+# piece's temporaries (the logits, their fp32 copy, logsumexp's, the rank comparison) stay under ~24 MB, inside the
+# 4 MiB-per-slot allowance the server's KV-cache sizing leaves beside the cache at its smallest batch (8 slots)
+PROMPT_LOGPROBS_PIECE = 1 << 21
 
 
 class EngineCore:

@@ -131,7 +131,13 @@ def test_prompt_logprobs_equal_a_full_forward_chunked_and_batched(ckpt, monkeypa
         EngineRequest("score", long_prompt, SamplingParams(max_new_tokens=0), seed=0, prompt_logprobs=0),
         EngineRequest("short", short, SamplingParams(max_new_tokens=3, temperature=0.8), seed=5, top_n=1,
                       prompt_logprobs=2)]
+    rows_seen = []
+    head = ckpt.model.head
+    monkeypatch.setattr(ckpt.model, "head", lambda h: rows_seen.append(h.shape[0]) or head(h))
     got = drive(core, reqs)
+    piece_rows = engine_core.PROMPT_LOGPROBS_PIECE // V
+    # never the prompt x vocabulary at once: at most a chunk's rows (7), and at most a piece's
+    assert max(rows_seen) <= min(max(piece_rows, 3), 7) < len(long_prompt)
     for rid, prompt, k in (("long", long_prompt, 3), ("score", long_prompt, 0), ("short", short, 2)):
         outs = got[rid]
         pl = outs[0].prompt_logprobs

@@ -5,7 +5,7 @@ What pydantic cannot know is checked here, against the loaded model and the serv
 length in tokens, room left in the context for the requested tokens, stop sequences, alternatives per
 token, token ids within the vocabulary (prompts, logit_bias, stop_token_ids), how many choices one request
 may hold, and the combinations the engine cannot run (max_tokens 0 without echo, decoder_input_details while
-streaming, min_tokens beyond max_tokens).
+streaming).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def check_logit_bias(bias: dict[str, float] | None, limits: Limits) -> dict[int,
     """OpenAI's logit_bias: keys are token ids written as strings; values were range-checked by the schema."""
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        if not (key.isascii() and key.isdigit()):
+        if not (key.isascii() and key.isdigit()) or str(int(key)) != key:
             raise invalid(f"logit_bias.{key}", "keys must be token ids (integers written as strings, e.g. \"50256\")")
         token = int(key)
         if token >= limits.vocab_size:
@@ -156,10 +156,10 @@ def check_logit_bias(bias: dict[str, float] | None, limits: Limits) -> dict[int,
     return out
 
 
-def check_min_tokens(min_tokens: int | None, max_new: int, new_field: str) -> int:
-    if min_tokens and min_tokens > max_new:
-        raise invalid("min_tokens", f"must be <= {new_field} ({max_new}), got {min_tokens}")
-    return min_tokens or 0
+def check_min_tokens(min_tokens: int | None, max_new: int) -> int:
+    """vLLM refuses min_tokens > max_tokens; here it means what it says (no stop before max_tokens), since no
+    JSON schema can state the comparison and /openapi.json must describe every refusal."""
+    return min(min_tokens or 0, max_new)
 
 
 def check_choices(n_prompts: int, n: int, limits: Limits, field_name: str) -> None:
@@ -203,8 +203,8 @@ def plan_tgi(req: TGIRequest, tokenizer: Tokenizer, limits: Limits, stream: bool
 
 
 # ---------------------------------------------------------------------------------------------- OpenAI
-def _openai_params(req: CompletionRequest | ChatCompletionRequest, max_new: int, stop: list[str], limits: Limits,
-                   new_field: str = "max_tokens") -> SamplingParams:
+def _openai_params(req: CompletionRequest | ChatCompletionRequest, max_new: int, stop: list[str],
+                   limits: Limits) -> SamplingParams:
     temperature = req.temperature if req.temperature is not None else 1.0
     return SamplingParams(
         max_new_tokens=max_new, temperature=temperature,
@@ -214,7 +214,7 @@ def _openai_params(req: CompletionRequest | ChatCompletionRequest, max_new: int,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         seed=seed_of(req.seed), stop=stop, stop_at_eos=not req.ignore_eos,
         logit_bias=check_logit_bias(req.logit_bias, limits),
-        min_tokens=check_min_tokens(req.min_tokens, max_new, new_field),
+        min_tokens=check_min_tokens(req.min_tokens, max_new),
         stop_token_ids=check_ids(list(req.stop_token_ids or []), "stop_token_ids", limits))
 
 
@@ -281,7 +281,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits, 
                    else (req.max_tokens, "max_tokens"))
     max_new = fit_context(len(ids), asked, limits, "messages", name)
     temperature = req.temperature if req.temperature is not None else 1.0
-    return Plan([Prompt(ids, text)], _openai_params(req, max_new, stop, limits, name),
+    return Plan([Prompt(ids, text)], _openai_params(req, max_new, stop, limits),
                 sampling=temperature >= GREEDY_TEMPERATURE,
                 n=n, top_n=top_n,
                 stream=bool(req.stream), details=bool(req.logprobs),

@@ -56,6 +56,11 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    # max_tokens 0 only with echo (scoring the prompt): stated in the schema, so clients and schemathesis know
+    model_config = {**STRICT, "json_schema_extra": {
+        "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+        "then": {"required": ["echo"], "properties": {"echo": {"const": True}}}}}
+
     prompt: (Annotated[str, Field(min_length=1)]
              | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
              | Annotated[list[TokenId], Field(min_length=1)]

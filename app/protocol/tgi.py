@@ -40,10 +40,16 @@ class TGIParameters(BaseModel):
     adapter_id: null_only("adapters are not supported") = None
 
 
-class TGIRequest(BaseModel):
-    """/generate and /generate_stream."""
+_PREFILL_DETAILS = {"required": ["parameters"], "properties": {"parameters": {
+    "type": "object", "required": ["decoder_input_details"], "properties": {"decoder_input_details": {"const": True}}}}}
 
-    model_config = STRICT
+
+class TGIRequest(BaseModel):
+    """/generate and POST / (with `stream`)."""
+
+    # TGI refuses decoder_input_details while streaming; the schema says so
+    model_config = {**STRICT, "json_schema_extra": {"not": {"allOf": [
+        {"required": ["stream"], "properties": {"stream": {"const": True}}}, _PREFILL_DETAILS]}}}
 
     inputs: str = Field(min_length=1, description="the prompt")
     parameters: TGIParameters | None = None
@@ -52,6 +58,12 @@ class TGIRequest(BaseModel):
 
 class CompatRequest(TGIRequest):
     """POST / (TGI's compatibility route, used by huggingface_hub and text_generation)."""
+
+
+class StreamRequest(TGIRequest):
+    """/generate_stream: always a stream, so never decoder_input_details."""
+
+    model_config = {**STRICT, "json_schema_extra": {"not": _PREFILL_DETAILS}}
 
 
 # ------------------------------------------------------------------------------------------- responses

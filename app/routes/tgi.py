@@ -13,7 +13,7 @@ from app.engine.output_processor import Failed, PromptOut, RequestState, TokenOu
 from app.errors import error_responses, error_type_of, status_of, stream_error_event
 from app.guards import StrictJSONRoute, json_only
 from app.openapi import sse_content
-from app.protocol.tgi import CompatRequest, GenerateResponse, TGIRequest
+from app.protocol.tgi import CompatRequest, GenerateResponse, StreamRequest, TGIRequest
 from app.routes import ServiceDep, admit, authorized
 from app.service import Service
 from app.streaming import answer, sse
@@ -89,7 +89,7 @@ async def generate(body: TGIRequest, request: Request, service: ServiceDep) -> R
 
 @router.post("/generate_stream", summary="Generate text as server-sent events, one per token (TGI)",
              responses={200: {"content": SSE}, **ERRORS}, response_class=Response)
-async def generate_stream(body: TGIRequest, request: Request, service: ServiceDep) -> Response:
+async def generate_stream(body: StreamRequest, request: Request, service: ServiceDep) -> Response:
     return await run(service, request, body, True, as_list=False)
 
 

@@ -31,7 +31,7 @@ test: install
 
 # Browser test: also needs Debian's chromium (apt-get install -y chromium); skipped with a reason without it.
 test-slow: install
-	$(PY) -m pip install -q -e ".[browser,conformance]"
+	$(PY) -m pip install -q -e ".[browser,conformance,eval]"
 	$(PY) -m pytest -m slow -q
 
 lint: install

@@ -46,6 +46,20 @@ def _narrow(prop: dict, **by_type: dict[str, Any]) -> None:
                 b[kw] = value
 
 
+def int_range_pattern(n: int) -> str:
+    """A regular expression matching the decimal numbers 0..n written without leading zeros (logit_bias keys)."""
+    s = str(n)
+    alts = ["[0-9]"] if len(s) > 1 else [f"[0-{s}]"]
+    alts += [f"[1-9][0-9]{{{d - 1}}}" for d in range(2, len(s))]  # every shorter length
+    if len(s) > 1:
+        for i, c in enumerate(s):  # same length: equal up to i, then a smaller digit, then anything
+            low = "1" if i == 0 else "0"
+            if c > low:
+                alts.append(f"{s[:i]}[{low}-{int(c) - 1}][0-9]{{{len(s) - i - 1}}}")
+        alts.append(s)
+    return "^(" + "|".join(alts) + ")$"
+
+
 def apply_limits(schema: dict, limits, max_choices: int) -> dict:
     comps = schema.get("components", {}).get("schemas", {})
 
@@ -68,6 +82,11 @@ def apply_limits(schema: dict, limits, max_choices: int) -> dict:
         _narrow(prop(model, "stop"), **stop)
         _narrow(prop(model, "n"), integer={"maximum": max(1, min(MAX_N, max_choices))})
     _narrow(prop("CompletionRequest", "logprobs"), **top_n)
+    _narrow(prop("CompletionRequest", "prompt_logprobs"), **top_n)
+    for model in ("CompletionRequest", "ChatCompletionRequest"):
+        _narrow(prop(model, "stop_token_ids"), array={"items": token_id})
+        _narrow(prop(model, "logit_bias"),
+                object={"propertyNames": {"pattern": int_range_pattern(max(0, limits.vocab_size - 1))}})
     _narrow(prop("ChatCompletionRequest", "top_logprobs"), **top_n)
     for branch in prop("CompletionRequest", "prompt").get("anyOf", []):
         items = branch.get("items", {})

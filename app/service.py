@@ -105,7 +105,7 @@ class Service:
                                               capacity=capacity_of(info["max_batch_size"]), **hooks)
         self.engine.info = info
         try:
-            self.chat_template = load_chat_template(self.checkpoint_path, self._eos_text(), s.chat_template)
+            self.chat_template = load_chat_template(self.checkpoint_path, self.eos_text(), s.chat_template)
         except ChatTemplateError as e:
             raise StartupError(str(e)) from None
         block = self.config.block_size
@@ -124,7 +124,7 @@ class Service:
                  self.checkpoint_path, f"{info['n_params']:,}", block, info["device"], info["dtype"], slots,
                  "thread" if s.engine == "thread" else f"process (pid {self.core.pid})", self.chat_template.origin)
 
-    def _eos_text(self) -> str:
+    def eos_text(self) -> str:
         tok = self.tokenizer
         try:
             return tok.decode([tok.eot_id]) if tok.eot_id is not None else ""
@@ -228,7 +228,8 @@ class Service:
         try:
             for index, prompt, params in plan.choices():
                 st = self.engine.add(prompt.ids, params, params.seed, top_n=plan.top_n,
-                                     timeout_s=self.settings.request_timeout_s)
+                                     timeout_s=self.settings.request_timeout_s,
+                                     prompt_logprobs=plan.prompt_logprobs)
                 reqs.append((index, st))
         except EngineError as e:
             for _, r in reqs:

@@ -3,7 +3,9 @@ token ids, `SamplingParams`, and what the response must echo — or an `ApiError
 
 What pydantic cannot know is checked here, against the loaded model and the server's limits: prompt
 length in tokens, room left in the context for the requested tokens, stop sequences, alternatives per
-token, token ids within the vocabulary, how many choices one request may hold.
+token, token ids within the vocabulary (prompts, logit_bias, stop_token_ids), how many choices one request
+may hold, and the combinations the engine cannot run (max_tokens 0 without echo, decoder_input_details while
+streaming).
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ class Plan:
     details: bool = False  # TGI details / OpenAI logprobs
     return_full_text: bool = False
     include_usage: bool = False
+    # the prompt's log-probabilities: None (off) or the alternatives per token the engine computes
+    prompt_logprobs: int | None = None
+    vllm_prompt_logprobs: int | None = None  # OpenAI completions' prompt_logprobs field (vLLM's shape in choices)
+    decoder_input_details: bool = False  # TGI: details.prefill
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """OpenAI completions with echo and logprobs: the prompt's tokens lead choices[].logprobs."""
+        return self.return_full_text and self.details and self.prompt_logprobs is not None
 
     @property
     def prompt_ids(self) -> list[int]:  # single-prompt APIs
@@ -132,6 +143,25 @@ def check_ids(ids: list[int], field_name: str, limits: Limits) -> list[int]:
     return ids
 
 
+def check_logit_bias(bias: dict[str, float] | None, limits: Limits) -> dict[int, float]:
+    """OpenAI's logit_bias: keys are token ids written as strings; values were range-checked by the schema."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()) or str(int(key)) != key:
+            raise invalid(f"logit_bias.{key}", "keys must be token ids (integers written as strings, e.g. \"50256\")")
+        token = int(key)
+        if token >= limits.vocab_size:
+            raise invalid(f"logit_bias.{key}", f"token id {token} is out of range [0, {limits.vocab_size})")
+        out[token] = float(value)
+    return out
+
+
+def check_min_tokens(min_tokens: int | None, max_new: int) -> int:
+    """vLLM refuses min_tokens > max_tokens; here it means what it says (no stop before max_tokens), since no
+    JSON schema can state the comparison and /openapi.json must describe every refusal."""
+    return min(min_tokens or 0, max_new)
+
+
 def check_choices(n_prompts: int, n: int, limits: Limits, field_name: str) -> None:
     if n_prompts * n > limits.max_choices:
         raise invalid(field_name, f"{n_prompts} prompt(s) x n={n} = {n_prompts * n} choices; this server holds at "
@@ -142,6 +172,9 @@ def check_choices(n_prompts: int, n: int, limits: Limits, field_name: str) -> No
 def plan_tgi(req: TGIRequest, tokenizer: Tokenizer, limits: Limits, stream: bool | None = None) -> Plan:
     """TGI's /generate body → Plan. `stream` forces the mode (/generate_stream); else the body's `stream`."""
     p = req.parameters or TGIParameters()
+    stream = bool(req.stream) if stream is None else stream
+    if p.decoder_input_details and stream:  # TGI's own refusal (PrefillDetailsStream)
+        raise invalid("parameters.decoder_input_details", "is not supported when streaming tokens")
     stop = check_stop(p.stop, "parameters.stop", limits)
     top_n = check_top_n(p.top_n_tokens, "parameters.top_n_tokens", limits)
     ids = encode(tokenizer, req.inputs, "inputs")
@@ -162,13 +195,16 @@ def plan_tgi(req: TGIRequest, tokenizer: Tokenizer, limits: Limits, stream: bool
         repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
         frequency_penalty=p.frequency_penalty or 0.0,
         seed=seed_of(p.seed), stop=stop)
-    return Plan([Prompt(ids, req.inputs)], params, sampling, top_n=top_n,
-                stream=bool(req.stream) if stream is None else stream,
-                details=bool(p.details), return_full_text=bool(p.return_full_text))
+    # TGI: decoder_input_details implies details
+    return Plan([Prompt(ids, req.inputs)], params, sampling, top_n=top_n, stream=stream,
+                details=bool(p.details or p.decoder_input_details), return_full_text=bool(p.return_full_text),
+                prompt_logprobs=0 if p.decoder_input_details else None,
+                decoder_input_details=bool(p.decoder_input_details))
 
 
 # ---------------------------------------------------------------------------------------------- OpenAI
-def _openai_params(req: CompletionRequest | ChatCompletionRequest, max_new: int, stop: list[str]) -> SamplingParams:
+def _openai_params(req: CompletionRequest | ChatCompletionRequest, max_new: int, stop: list[str],
+                   limits: Limits) -> SamplingParams:
     temperature = req.temperature if req.temperature is not None else 1.0
     return SamplingParams(
         max_new_tokens=max_new, temperature=temperature,
@@ -176,15 +212,22 @@ def _openai_params(req: CompletionRequest | ChatCompletionRequest, max_new: int,
         top_p=req.top_p if req.top_p is not None else 1.0,
         repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-        seed=seed_of(req.seed), stop=stop)
+        seed=seed_of(req.seed), stop=stop, stop_at_eos=not req.ignore_eos,
+        logit_bias=check_logit_bias(req.logit_bias, limits),
+        min_tokens=check_min_tokens(req.min_tokens, max_new),
+        stop_token_ids=check_ids(list(req.stop_token_ids or []), "stop_token_ids", limits))
 
 
 def plan_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Limits) -> Plan:
-    if req.echo and req.logprobs is not None:
-        raise invalid("echo", "echo together with logprobs is not supported (the prompt's log-probabilities are "
-                              "not computed)")
+    if req.max_tokens == 0 and not req.echo:
+        raise invalid("max_tokens", "must be >= 1; 0 only with echo (score the prompt, generate nothing)")
     stop = check_stop(req.stop, "stop", limits)
     top_n = check_top_n(req.logprobs, "logprobs", limits)
+    prompt_logprobs = top_n if req.echo and req.logprobs is not None else None  # the echoed prompt's entries
+    vllm_prompt_logprobs = None
+    if req.prompt_logprobs is not None:
+        vllm_prompt_logprobs = check_top_n(req.prompt_logprobs, "prompt_logprobs", limits)
+        prompt_logprobs = max(prompt_logprobs or 0, vllm_prompt_logprobs)
     prompt = req.prompt
     if isinstance(prompt, str):
         prompts = [Prompt(encode(tokenizer, prompt, "prompt"), prompt)]
@@ -204,10 +247,11 @@ def plan_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Limits
         m = fit_context(len(p.ids), req.max_tokens, limits, where, "max_tokens", default=16)  # OpenAI's default
         max_new = m if max_new is None else min(max_new, m)
     temperature = req.temperature if req.temperature is not None else 1.0
-    return Plan(prompts, _openai_params(req, max_new, stop), sampling=temperature >= GREEDY_TEMPERATURE, n=n,
-                top_n=top_n,
+    return Plan(prompts, _openai_params(req, max_new, stop, limits), sampling=temperature >= GREEDY_TEMPERATURE,
+                n=n, top_n=top_n,
                 stream=bool(req.stream), details=req.logprobs is not None, return_full_text=bool(req.echo),
-                include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                prompt_logprobs=prompt_logprobs, vllm_prompt_logprobs=vllm_prompt_logprobs)
 
 
 def message_text(m: ChatMessage) -> str:
@@ -237,7 +281,8 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits, 
                    else (req.max_tokens, "max_tokens"))
     max_new = fit_context(len(ids), asked, limits, "messages", name)
     temperature = req.temperature if req.temperature is not None else 1.0
-    return Plan([Prompt(ids, text)], _openai_params(req, max_new, stop), sampling=temperature >= GREEDY_TEMPERATURE,
+    return Plan([Prompt(ids, text)], _openai_params(req, max_new, stop, limits),
+                sampling=temperature >= GREEDY_TEMPERATURE,
                 n=n, top_n=top_n,
                 stream=bool(req.stream), details=bool(req.logprobs),
                 include_usage=bool(req.stream_options and req.stream_options.include_usage))

@@ -12,6 +12,12 @@ its engine thread) reads the outputs, detokenizes them and calls `abort` when a 
 The sampling state of every slot lives on the model's device (`model.sampling.Sampler`), and the noise of each
 token is a function of (seed, position, token id), so a seeded or greedy request gives the same tokens alone or
 batched.
+
+Prompt log-probabilities (`EngineRequest.prompt_logprobs`) are computed during prefill, chunk by chunk: the chunk's
+final hidden states go through the output head a piece of rows at a time (`PROMPT_LOGPROBS_PIECE` logits at
+most), so no prompt × vocabulary tensor ever exists (vLLM #5907 and #38830 are out-of-memory reports of that).
+Each piece leaves only the token's log-probability, its rank and the top-n alternatives on the device; they
+are read back once, with the request's first output.
 """
 
 from __future__ import annotations
@@ -21,13 +27,18 @@ import time
 
 import torch
 
-from model.engine_io import EngineRequest, ErrorKind, RequestOutput
+from model.engine_io import EngineRequest, ErrorKind, PromptLogprobs, RequestOutput
 from model.gpt import GPT
 from model.kv_cache import KVCache
 from model.sampling import Sampler, SamplingParams
 from model.scheduler import Scheduler, Step
 
 log = logging.getLogger("model.engine_core")
+
+# logits computed at once for prompt log-probabilities: 2M (8 MB in fp32; GPT-2's vocabulary in 41-row pieces). A
+# piece's temporaries (the logits, their fp32 copy, logsumexp's, the rank comparison) stay under ~24 MB, inside the
+# 4 MiB-per-slot allowance the server's KV-cache sizing leaves beside the cache at its smallest batch (8 slots)
+PROMPT_LOGPROBS_PIECE = 1 << 21
 
 
 class EngineCore:
@@ -41,7 +52,7 @@ class EngineCore:
         self.max_len = max_len or model.config.block_size
         self.n_slots = n_slots
         self.cache = KVCache(model.config, n_slots, self.max_len, dtype=self.dtype, device=self.device)
-        self.sampler = Sampler(n_slots, vocab_size, self.max_len, self.device)
+        self.sampler = Sampler(n_slots, vocab_size, self.max_len, self.device, eos_id=eos_id)
         if pad_vocab:  # the sampler then reads the logits in place, as whole blocks (a server owns its model;
             model.pad_vocab(self.sampler.padded)  # the library leaves a caller's model as it is: it may train on)
         # prefix caching (model.prefix_cache): off here; the server turns it on (GPT_PREFIX_CACHE)
@@ -57,6 +68,9 @@ class EngineCore:
         self.copied_tokens = 0  # KV entries copied between slots for prefix reuse
         self.generated_tokens = 0
         self.max_batch_seen = 0
+        self.vocab_size = vocab_size
+        # prompt log-probabilities computed so far, per request id: (top n, device tensors per chunk piece)
+        self._scores: dict[str, tuple[int, list[tuple]]] = {}
 
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
@@ -67,21 +81,33 @@ class EngineCore:
         if n + request.params.max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({request.params.max_new_tokens}) exceeds the "
                              f"engine's context of {self.max_len} tokens")
+        p = request.params
+        if p.max_new_tokens < 0:  # 0: the request only runs (and scores) its prompt
+            raise ValueError(f"max_new_tokens must be >= 0, got {p.max_new_tokens}")
+        if request.prompt_logprobs is not None and request.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be None or >= 0, got {request.prompt_logprobs}")
+        for name, ids in (("logit_bias", list(p.logit_bias)), ("stop_token_ids", p.stop_token_ids)):
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"{name}: token ids must be in [0, {self.vocab_size})")
         self.scheduler.add(request)
+        if request.prompt_logprobs is not None:
+            self._scores[request.request_id] = (min(request.prompt_logprobs, self.vocab_size), [])
 
     def abort(self, request_ids) -> None:
         self.scheduler.abort(request_ids)
+        for rid in request_ids:
+            self._scores.pop(rid, None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def expire(self) -> list[RequestOutput]:
         """End requests past their deadline without stepping (a paused or idle loop still enforces them)."""
-        return self.scheduler.expire(time.monotonic())
+        return self._attach(self.scheduler.expire(time.monotonic()))
 
     def shutdown(self, message: str = "the server shut down before the request finished") -> list[RequestOutput]:
         """End every request still here with ErrorKind.SHUTDOWN."""
-        return self.scheduler.end_all(ErrorKind.SHUTDOWN, message)
+        return self._attach(self.scheduler.end_all(ErrorKind.SHUTDOWN, message))
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -91,8 +117,8 @@ class EngineCore:
             draws = self._execute(step)
         except Exception as e:  # a failing forward (e.g. out of memory) fails its requests, not the engine
             log.exception("engine step failed")
-            return self.scheduler.fail_step(step, f"generation failed: {type(e).__name__}: {e}")
-        return self.scheduler.update(step, draws)
+            return self._attach(self.scheduler.fail_step(step, f"generation failed: {type(e).__name__}: {e}"))
+        return self._attach(self.scheduler.update(step, draws))
 
     def _execute(self, step: Step) -> list:
         self._apply(step.ops)
@@ -103,11 +129,20 @@ class EngineCore:
                 idx = self.sampler.prompt_slice(slots[0], chunk.start, chunk.start + chunk.n).view(1, -1)
             else:  # the prompts are on the device already (written at admission)
                 idx = self.sampler.history[torch.tensor(slots, device=self.device), :chunk.n]
-            logits = self.model.forward_cached(idx, self.cache, slots)
+            scoring = [i for i, r in enumerate(chunk.reqs) if r.request.prompt_logprobs is not None]
+            if scoring:  # the hidden states of every position, through the head in pieces
+                h = self.model.forward_cached(idx, self.cache, slots, hidden=True)
+                self._score_prompt(chunk, h, scoring)
+                logits = self.model.head(h[:, -1]) if chunk.sampled else None
+            else:
+                logits = self.model.forward_cached(idx, self.cache, slots)
             self.prefill_chunks += 1
             self.prompt_tokens += chunk.n * len(slots)
-            if chunk.completes:
+            rows = chunk.sampled
+            if len(rows) == len(slots):
                 draws += self.sampler.step(logits, slots)
+            elif rows:  # some of the group only score their prompt
+                draws += self.sampler.step(logits[torch.tensor(rows, device=logits.device)], [slots[i] for i in rows])
         if step.decode:
             n = len(step.decode)
             self.max_batch_seen = max(self.max_batch_seen, n)
@@ -119,6 +154,51 @@ class EngineCore:
             draws += self.sampler.step(logits, range(n))
         self.generated_tokens += len(draws)
         return draws
+
+    def _score_prompt(self, chunk, h: torch.Tensor, rows: list[int]) -> None:
+        """Prompt log-probabilities from a chunk's hidden states h (B, n, C): position p predicts prompt token
+        p + 1, so this chunk scores tokens start+1 .. start+n (those inside the prompt)."""
+        V = self.vocab_size
+        piece = max(1, PROMPT_LOGPROBS_PIECE // max(V, 1))
+        for b in rows:
+            r = chunk.reqs[b]
+            m = min(chunk.n, r.prompt_len - 1 - chunk.start)  # predicted tokens that are prompt tokens
+            if m <= 0:
+                continue
+            k, parts = self._scores[r.id]
+            targets = self.sampler.history[r.slot, chunk.start + 1:chunk.start + 1 + m]
+            for p0 in range(0, m, piece):
+                logits = self.model.head(h[b, p0:p0 + piece][: m - p0]).float()[:, :V]
+                lse = torch.logsumexp(logits, -1)
+                target = logits.gather(1, targets[p0:p0 + piece, None])  # (P, 1)
+                rank = (logits > target).sum(-1) + 1
+                lp = target[:, 0] - lse
+                if k:
+                    vals, ids = logits.topk(k, -1)
+                    parts.append((lp, rank, ids, vals - lse[:, None]))
+                else:
+                    parts.append((lp, rank, None, None))
+
+    def _attach(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Hand each request's prompt log-probabilities to its first output (one read-back); drop those of
+        requests that ended with an error."""
+        if not self._scores:
+            return outputs
+        for out in outputs:
+            entry = self._scores.pop(out.request_id, None)
+            if entry is None or out.error is not None:
+                continue
+            k, parts = entry
+            table = []
+            if parts:
+                cols = [torch.cat([p[i] for p in parts]).double()[:, None] for i in (0, 1)]
+                if k:
+                    cols += [torch.cat([p[3] for p in parts]).double(), torch.cat([p[2] for p in parts]).double()]
+                table = torch.cat(cols, 1).tolist()  # the one device→host copy
+            out.prompt_logprobs = PromptLogprobs(
+                [None] + [row[0] for row in table], [None] + [int(row[1]) for row in table],
+                [[]] + [[(int(i), v) for v, i in zip(row[2:2 + k], row[2 + k:])] for row in table] if k else None)
+        return outputs
 
     def _apply(self, ops) -> None:
         for op in ops:

@@ -38,6 +38,19 @@ class EngineRequest:
     top_n: int = 0  # also report the top_n most likely tokens at each step
     arrival: float = 0.0  # time.monotonic() when the request arrived (the clock is shared by processes)
     deadline: float | None = None  # time.monotonic() past which it ends with ErrorKind.TIMEOUT
+    # None: off; n >= 0: each prompt token's log-probability (from its second token on) and its n most likely
+    # alternatives, computed during prefill. With params.max_new_tokens == 0 the request only scores its prompt:
+    # it ends after its prefill, no token sampled (finish LENGTH). Such requests never reuse a cached prefix.
+    prompt_logprobs: int | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt's own log-probabilities, one entry per prompt token; the first token has none (None)."""
+
+    logprobs: list[float | None]  # log P(token i | tokens < i) under the raw model distribution
+    ranks: list[int | None]  # 1 + the number of tokens more likely than token i at its position
+    top: list[list[tuple[int, float]]] | None = None  # per position: the n most likely (id, logprob); [] first
 
 
 @dataclass
@@ -53,6 +66,7 @@ class RequestOutput:
     message: str = ""  # the error, in words
     queue_s: float | None = None  # on the first output: seconds from arrival to a KV-cache slot
     cached_tokens: int = 0  # on the first output: prompt tokens reused from the prefix cache, not computed
+    prompt_logprobs: PromptLogprobs | None = None  # on the first output, when the request asked for them
 
     @property
     def done(self) -> bool:

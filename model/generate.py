@@ -99,10 +99,11 @@ class Sequence:
         """Record a token from the core (`finish`: the core ended the request with it, EOS or LENGTH), release
         the text it completes and decide whether a stop string ended the request here."""
         self.tokens.append(token_id)
-        if finish == FinishReason.EOS:
-            # the special token itself adds no text; release anything still held back
-            ev = TokenEvent(token_id, self._detok.flush() + self._stops.flush(), logprob, special=True,
-                            finish_reason=FinishReason.EOS)
+        if finish in (FinishReason.EOS, FinishReason.STOP):
+            # EOS, or one of the request's stop_token_ids (as vLLM, its text is not part of the output): the token
+            # adds no text; release anything still held back
+            ev = TokenEvent(token_id, self._detok.flush() + self._stops.flush(), logprob,
+                            special=finish == FinishReason.EOS, finish_reason=finish)
         else:
             piece = self._detok.feed(token_id)
             if finish is not None:

@@ -220,11 +220,13 @@ class GPT(nn.Module):
         return logits, loss
 
     def forward_cached(self, idx: torch.Tensor, cache: KVCache, slots: list[int],
-                       all_logits: bool = False) -> torch.Tensor:
+                       all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
         """Append idx (B, T) to the cache slots (one row per slot) and return logits.
 
         Returns (B, vocab) logits of each row's last token, or (B, T, vocab) with all_logits.
         Computing the head only for the last token saves a (T × vocab) matmul per prefill.
+        hidden: return the final hidden states (B, T, n_embd) instead (after ln_f), for a caller that applies
+        `head` itself in pieces (the prompt's log-probabilities, model/engine_core.py).
         """
         B, T = idx.shape
         if B != len(slots):
@@ -234,9 +236,15 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             x = block(x, (cache.k[i], cache.v[i]), step)
         cache.advance(slots, T)
+        if hidden:
+            return self.transformer.ln_f(x)
         if not all_logits:
             x = x[:, -1, :]
         return linear(self.transformer.ln_f(x), self.lm_head)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of final hidden states (..., n_embd) from `forward_cached(..., hidden=True)`."""
+        return linear(h, self.lm_head)
 
     def decode_static(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """idx (B, 1): one token for each of slots 0..B-1 → logits (B, vocab), with static shapes

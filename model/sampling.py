@@ -16,8 +16,10 @@ argmax(z + G) is distributed as softmax(z)) and hierarchical, so no full vocabul
 which is softmax(z) exactly, since P(b) = Σ_{t∈b} p_t. The block sums are the full-vocabulary pass
 that the log-probabilities need anyway; the noise is a few hundred hashes per row.
 
-Order of logit processing (Hugging Face's and vLLM's): penalties (repetition on prompt + output,
-presence and frequency on output) → temperature → top-k → top-p. Temperature 0 is greedy argmax.
+Order of logit processing (Hugging Face's and vLLM's): logit bias and min_tokens (EOS and stop token ids
+at -inf until a request has min_tokens tokens) → penalties (repetition on prompt + output, presence and
+frequency on output) → temperature → top-k → top-p. Temperature 0 is greedy argmax. Rows of a batch that
+use none of these pay nothing for them: each is a flag of the slot's kind and of the batch's plan.
 - top-k: `topk(max k)` over the batch and a per-row cut (TGI's heterogeneous top-k); no full sort.
 - top-p, exact and sort-free, by rejection (FlashInfer's scheme): draw from the row's distribution;
   the token is in the nucleus iff the mass of strictly more likely tokens is < top_p, checked in one
@@ -67,6 +69,10 @@ class SamplingParams:
     seed: int | None = None  # None → a random seed, reported back so the result can be reproduced
     stop: list[str] = field(default_factory=list)  # stop strings, matched on decoded text
     stop_at_eos: bool = True
+    # OpenAI's logit_bias: token id → added to its logit before penalties and temperature (in [-100, 100])
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0  # vLLM's: EOS (when stop_at_eos) and stop_token_ids cannot be drawn before this many tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: drawing one ends the request (finish STOP)
 
     def errors(self) -> list[str]:
         """Problems with the parameters, each naming its field (empty when valid)."""
@@ -88,6 +94,10 @@ class SamplingParams:
             e.append(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             e.append("stop must be a list of non-empty strings")
+        if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            e.append("logit_bias values must be in [-100, 100]")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= max(self.max_new_tokens, 0):
+            e.append(f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}")
         return e
 
     def validate(self) -> None:
@@ -143,6 +153,8 @@ class _Kind:
     presence_frequency: bool
     unit_temperature: bool
     top_n: int
+    bias: bool = False  # logit_bias
+    min_tokens: bool = False  # EOS / stop token ids suppressed for the first min_tokens tokens
 
 
 @dataclass
@@ -164,6 +176,8 @@ class _Plan:
     presence_frequency: bool
     z_is_raw: bool  # no penalty, temperature 1 everywhere: processed logits == raw logits
     top_n: int
+    bias: bool = False
+    min_tokens: bool = False
 
 
 @dataclass
@@ -184,7 +198,7 @@ class Sampler:
     """
 
     def __init__(self, n_slots: int, vocab_size: int, max_len: int, device: torch.device | str = "cpu",
-                 block_size: int = BLOCK_SIZE) -> None:
+                 block_size: int = BLOCK_SIZE, eos_id: int | None = None) -> None:
         self.n_slots, self.vocab_size, self.max_len = n_slots, vocab_size, max_len
         self.device = torch.device(device)
         self.block = block_size
@@ -206,8 +220,14 @@ class Sampler:
         self.first = torch.zeros(n, max_len, dtype=torch.bool, device=dev)  # output token new at that position
         self.seen = torch.zeros(n, self.padded, dtype=torch.bool, device=dev)  # tokens output so far
         self.last = torch.zeros(n, **i64)  # the newest token of each slot: the next decode step's input
+        self.eos_id = eos_id  # suppressed under min_tokens (with stop_at_eos)
+        self.min_tokens = torch.zeros(n, **i64)
+        # allocated on first use (most servers never see them): logit_bias as a dense (n, padded) row per slot,
+        # and the ids min_tokens suppresses, (n, S) with V (the -inf sink column) for an empty entry
+        self.bias: torch.Tensor | None = None
+        self.suppress: torch.Tensor | None = None
         self._state = ["inv_temp", "top_k", "top_p", "repetition", "presence", "frequency", "seed_key", "history",
-                       "length", "prompt_len", "first", "seen", "last"]
+                       "length", "prompt_len", "first", "seen", "last", "min_tokens"]
         self._kinds: list[_Kind | None] = [None] * n
         # workspaces (rows are batch rows, not slots); padding columns stay -inf
         self._z = torch.full((n, self.padded), float("-inf"), **f32)
@@ -244,12 +264,43 @@ class Sampler:
         self.seen[slot] = False
         self.last[slot] = prompt[-1]
         top_k = params.top_k if not greedy and 0 < params.top_k < self.vocab_size else 0
+        bias, suppress = self._admit_bias(slot, params)
         self._kinds[slot] = _Kind(
             greedy=greedy, top_k=top_k, top_p=not greedy and params.top_p < 1.0,
             repetition=params.repetition_penalty != 1.0,
             presence_frequency=params.presence_penalty != 0.0 or params.frequency_penalty != 0.0,
-            unit_temperature=greedy or params.temperature == 1.0, top_n=top_n)
+            unit_temperature=greedy or params.temperature == 1.0, top_n=top_n, bias=bias, min_tokens=suppress)
         self._plans.clear()
+
+    def _admit_bias(self, slot: int, params: SamplingParams) -> tuple[bool, bool]:
+        """Write the slot's logit bias and min_tokens suppression (clearing a previous request's)."""
+        V = self.vocab_size
+        if params.logit_bias:
+            if self.bias is None:
+                self.bias = torch.zeros(self.n_slots, self.padded, dtype=torch.float32, device=self.device)
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+            if not bool(((ids >= 0) & (ids < V)).all()):
+                raise ValueError(f"logit_bias: token ids must be in [0, {V})")
+            self.bias[slot] = 0.0
+            self.bias[slot, ids.to(self.device)] = torch.tensor(list(params.logit_bias.values()),
+                                                                dtype=torch.float32).to(self.device)
+        elif self.bias is not None:
+            self.bias[slot] = 0.0
+        ids = list(dict.fromkeys(params.stop_token_ids))
+        if params.stop_at_eos and self.eos_id is not None and self.eos_id not in ids:
+            ids.append(self.eos_id)
+        ids = [i for i in ids if 0 <= i < V] if params.min_tokens > 0 else []
+        self.min_tokens[slot] = params.min_tokens if ids else 0
+        if ids:
+            if self.suppress is None or self.suppress.size(1) < len(ids):
+                grown = torch.full((self.n_slots, max(4, 1 << (len(ids) - 1).bit_length())), V, dtype=torch.long,
+                                   device=self.device)
+                if self.suppress is not None:
+                    grown[:, :self.suppress.size(1)] = self.suppress
+                self.suppress = grown
+            self.suppress[slot] = V
+            self.suppress[slot, :len(ids)] = torch.tensor(ids, dtype=torch.long).to(self.device)
+        return bool(params.logit_bias), bool(ids)
 
     def release(self, slot: int) -> None:
         self._kinds[slot] = None
@@ -262,6 +313,9 @@ class Sampler:
         for name in self._state:
             t = getattr(self, name)
             t[d] = t[s]  # the right side is gathered into a new tensor first
+        for t in (self.bias, self.suppress):
+            if t is not None:
+                t[d] = t[s]
         kinds = [self._kinds[i] for i in src]
         for i, k in zip(dst, kinds):
             self._kinds[i] = k
@@ -332,8 +386,10 @@ class Sampler:
             top_p=any(kinds[i].top_p for i in sampled), top_p_in_k=any(kinds[i].top_p for i in topk),
             repetition=any(k.repetition for k in kinds),
             presence_frequency=any(k.presence_frequency for k in kinds),
-            z_is_raw=all(k.unit_temperature and not k.repetition and not k.presence_frequency for k in kinds),
-            top_n=max(k.top_n for k in kinds))
+            z_is_raw=all(k.unit_temperature and not k.repetition and not k.presence_frequency and not k.bias
+                         and not k.min_tokens for k in kinds),
+            top_n=max(k.top_n for k in kinds), bias=any(k.bias for k in kinds),
+            min_tokens=any(k.min_tokens for k in kinds))
 
     def _sample(self, logits: torch.Tensor, plan: _Plan):
         B, V, P, NB, BS = plan.n, self.vocab_size, self.padded, self.n_blocks, self.block
@@ -342,12 +398,15 @@ class Sampler:
         rows = plan.rows
         raw = logits[:, :V].float()  # a padded model vocabulary is never sampled
         inv_t = self.inv_temp[rows][:, None]
-        penalized = plan.repetition or plan.presence_frequency
+        penalized = plan.repetition or plan.presence_frequency or plan.bias or plan.min_tokens
         if penalized:
-            # z = penalized logits / temperature, in the workspace
+            # z = biased, penalized logits / temperature, in the workspace
             src = self._z[:B]
             src[:, :V].copy_(raw)
-            self._penalize(src, plan)
+            if plan.bias or plan.min_tokens:
+                self._bias(src, plan)
+            if plan.repetition or plan.presence_frequency:
+                self._penalize(src, plan)
             if not plan.z_is_raw:
                 src[:, :V].mul_(inv_t)
             scale = None  # src already holds z
@@ -522,6 +581,17 @@ class Sampler:
         ids = torch.tensor(result, device=self.device)
         lps = (raw[idx, ids] - lse[idx]).tolist()
         return list(zip(result, lps))
+
+    def _bias(self, z: torch.Tensor, plan: _Plan) -> None:
+        """logit_bias (dense rows, 0 where a request has none), then min_tokens: the suppressed ids of each row
+        still short of its min_tokens at -inf (sparse, over at most a few ids per row)."""
+        rows = plan.rows
+        if plan.bias:
+            z.add_(self.bias[rows])
+        if plan.min_tokens:
+            ids = self.suppress[rows]
+            active = (self.length[rows] - self.prompt_len[rows]) < self.min_tokens[rows]
+            z.scatter_(1, ids, torch.where(active[:, None], float("-inf"), z.gather(1, ids)))
 
     def _penalize(self, z: torch.Tensor, plan: _Plan) -> None:
         """Penalties on the raw logits in z (B, padded), sparse: over each row's history, not the vocabulary."""

@@ -24,7 +24,9 @@ One step, as vLLM V1's `EngineCore.step` runs it: `schedule(now)` → the core e
   computed (its logits are sampled). The moves that keep the decoding batch contiguous become swaps, so what an
   ending request leaves behind survives. Sampling state (seed, penalty history, positions) is always the new
   request's own: the sampler is written at admission whatever was reused.
-- Ends: EOS (when the request stops at EOS) or max_new_tokens, decided from the sampled token ids; a
+- Ends: EOS (when the request stops at EOS), one of its stop_token_ids (both only once it has min_tokens
+  tokens), or max_new_tokens, decided from the sampled token ids; a request with max_new_tokens 0 (it only
+  scores its prompt: prompt log-probabilities) ends with LENGTH right after its prefill, nothing sampled; a
   deadline passed (`ErrorKind.TIMEOUT`); `abort(ids)` from whoever reads the outputs (a stop string, a
   client gone) frees the slot with no output.
 """
@@ -92,6 +94,14 @@ class Chunk:
     def slots(self) -> list[int]:
         return [r.slot for r in self.reqs]
 
+    @property
+    def sampled(self) -> list[int]:
+        """Indices into reqs of the requests that sample a token after this chunk (none unless it completes;
+        a request with max_new_tokens 0 never does)."""
+        if not self.completes:
+            return []
+        return [i for i, r in enumerate(self.reqs) if r.request.params.max_new_tokens > 0]
+
 
 # Slot operations, applied in order before the step computes:
 #   ("admit", slot, EngineRequest, k)  keep the slot's first k cached tokens (0: reset it), write the request's
@@ -113,7 +123,7 @@ class Step:
     @property
     def sampled(self) -> list[Running]:
         """The requests that get a token this step, in the order the core samples them."""
-        out = [r for c in self.prefills if c.completes for r in c.reqs]
+        out = [c.reqs[i] for c in self.prefills for i in c.sampled]
         return out + self.decode
 
     @property
@@ -222,8 +232,11 @@ class Scheduler:
                 r.out.append(d.token)
             params = r.request.params
             finish = None
-            if params.stop_at_eos and d.token == self.eos_id:
+            may_stop = r.generated > params.min_tokens  # the sampler suppresses stops until then
+            if params.stop_at_eos and d.token == self.eos_id and may_stop:
                 finish = FinishReason.EOS
+            elif params.stop_token_ids and d.token in params.stop_token_ids and may_stop:
+                finish = FinishReason.STOP
             elif r.generated >= params.max_new_tokens:
                 finish = FinishReason.LENGTH
             out = RequestOutput(r.id, [d.token], [d.logprob], [d.top] if r.request.top_n else None, finish)
@@ -236,6 +249,15 @@ class Scheduler:
                 self._release(r)
             elif id(r) in completed:
                 joining.append(r)
+        for c in step.prefills:  # prompts scored only: done once prefilled
+            if c.completes:
+                for r in c.reqs:
+                    if r.request.params.max_new_tokens == 0 and self.by_id.get(r.id) is r:
+                        out = RequestOutput(r.id, [], [], None, FinishReason.LENGTH)
+                        out.queue_s = max(0.0, (r.admitted_at or r.request.arrival) - r.request.arrival)
+                        outputs.append(out)
+                        del self.by_id[r.id]
+                        self._release(r)
         for i, r in enumerate(joining):
             self._join_decoding(r, joining[i + 1:])
         return outputs
@@ -357,8 +379,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ prefix caching
     def _reusable(self, r: Running) -> bool:
-        """Whether r may start from a cached prefix."""
-        return True
+        """Whether r may start from a cached prefix: not when it asks for its prompt's log-probabilities (they
+        need the logits of every prompt position, computed; as vLLM). Its own prompt is cached for others."""
+        return r.request.prompt_logprobs is None
 
     def _sync(self, r: Running) -> None:
         """Bring the index up to what r's slot holds now (it grows as r is prefilled and decodes)."""

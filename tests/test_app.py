@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from tests.test_app_support import (  # noqa: F401
     BLOCK,
@@ -255,6 +256,155 @@ def test_completions_stream(client, tiny_ckpt):  # noqa: F811
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
 
 
+# ------------------------------------------------------------------------------------------- scoring
+SCORED = "the king is dead, long live the king! the then there; " * 2  # 60+ tokens: more than one prefill chunk
+
+
+def reference_prompt_logprobs(ckpt, prompt_ids: list[int]) -> list[float]:
+    """log P(token i | tokens < i) from one full forward pass (fp32)."""
+    from model.checkpoint import load_checkpoint
+
+    c = load_checkpoint(ckpt)
+    with torch.inference_mode():
+        logits, _ = c.model(torch.tensor([prompt_ids]))
+    lsm = torch.log_softmax(logits[0, :, :c.tokenizer.vocab_size].float(), -1)
+    return [lsm[i - 1, t].item() for i, t in enumerate(prompt_ids) if i]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, tiny_ckpt):  # noqa: F811
+    ids = client.post("/tokenize", json={"prompt": SCORED, "add_special_tokens": False}).json()["tokens"]
+    assert len(ids) > 32  # the server's prefill chunk
+    expected = reference_prompt_logprobs(tiny_ckpt, ids)
+    # lm-evaluation-harness' loglikelihood request, as local-completions sends it
+    body = {"model": "tiny", "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    out = client.post("/v1/completions", json=body).json()
+    (choice,) = out["choices"]
+    lp = choice["logprobs"]
+    n = len(ids)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:n] == pytest.approx(expected, abs=1e-5)
+    assert "".join(lp["tokens"][:n]) == SCORED and choice["text"].startswith(SCORED)
+    assert lp["text_offset"][:n] == [len("".join(lp["tokens"][:i])) for i in range(n)]
+    assert lp["text_offset"][n] == len(SCORED)  # the generated token follows the echoed prompt
+    for tok, top, lpv in zip(lp["tokens"][1:n], lp["top_logprobs"][1:n], lp["token_logprobs"][1:n]):
+        assert top[tok] == lpv and 1 <= len(top) <= 2  # the token itself and the most likely one
+        assert max(top.values()) >= lpv
+    # lm-eval's greediness test (token logprob == the best in top_logprobs) agrees with the model's argmax
+    from model.checkpoint import load_checkpoint
+
+    with torch.inference_mode():
+        argmax = load_checkpoint(tiny_ckpt).model(torch.tensor([ids]))[0][0, :-1].argmax(-1).tolist()
+    greedy = [lpv == max(top.values()) for top, lpv in zip(lp["top_logprobs"][1:n], lp["token_logprobs"][1:n])]
+    assert greedy == [a == t for a, t in zip(argmax, ids[1:])]
+    assert out["usage"]["prompt_tokens"] == n and out["usage"]["completion_tokens"] == 1
+    # scoring only: max_tokens 0 with echo ends after the prefill, finish_reason length, nothing generated
+    score = client.post("/v1/completions", json={**body, "max_tokens": 0}).json()
+    (only,) = score["choices"]
+    assert only["text"] == SCORED and only["finish_reason"] == "length"
+    assert only["logprobs"]["token_logprobs"] == lp["token_logprobs"][:n]
+    assert score["usage"]["completion_tokens"] == 0
+    # vLLM's prompt_logprobs field: token id → logprob, rank, decoded token
+    v = client.post("/v1/completions", json={"prompt": SCORED, "max_tokens": 0, "echo": True,
+                                             "prompt_logprobs": 2}).json()["choices"][0]
+    assert v["logprobs"] is None and v["prompt_logprobs"][0] is None and len(v["prompt_logprobs"]) == n
+    for i, entry in enumerate(v["prompt_logprobs"][1:], 1):
+        assert entry[str(ids[i])]["logprob"] == pytest.approx(expected[i - 1], abs=1e-5)
+        assert 2 <= len(entry) <= 3 and entry[str(ids[i])]["rank"] >= 1
+        best = [e for e in entry.values() if e["rank"] == 1]
+        assert len(best) == 1 and best[0]["logprob"] >= entry[str(ids[i])]["logprob"]
+
+
+def test_echo_logprobs_batched_and_streamed(client, tiny_ckpt):  # noqa: F811
+    ids = client.post("/tokenize", json={"prompt": SCORED}).json()["tokens"]
+    expected = reference_prompt_logprobs(tiny_ckpt, ids)
+    short = client.post("/tokenize", json={"prompt": "hello there"}).json()["tokens"]
+    body = {"prompt": [ids, short], "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True}
+    whole = client.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    assert whole["choices"][0]["logprobs"]["token_logprobs"][1:len(ids)] == pytest.approx(expected, abs=1e-5)
+    assert whole["choices"][1]["logprobs"]["token_logprobs"][1:len(short)] == pytest.approx(
+        reference_prompt_logprobs(tiny_ckpt, short), abs=1e-5)
+    r = client.post("/v1/completions", json={**body, "stream": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    per_choice: dict[int, list] = {0: [], 1: []}
+    for e in events[:-1]:
+        (c,) = e["choices"]
+        per_choice[c["index"]].append(c)
+    for index, chunks in per_choice.items():
+        first = chunks[0]  # the prompt's entries come first, in one chunk, with the prompt's text
+        prompt_ids = ids if index == 0 else short
+        assert first["logprobs"]["token_logprobs"][0] is None
+        assert len(first["logprobs"]["tokens"]) == len(prompt_ids) and first["finish_reason"] is None
+        assert "".join(c["text"] for c in chunks) == whole["choices"][index]["text"]
+        lps = [x for c in chunks for x in c["logprobs"]["token_logprobs"]]
+        assert lps == pytest.approx(whole["choices"][index]["logprobs"]["token_logprobs"], abs=1e-6)
+        offsets = [x for c in chunks for x in c["logprobs"]["text_offset"]]
+        assert offsets == whole["choices"][index]["logprobs"]["text_offset"]
+        assert chunks[-1]["finish_reason"] == "length"
+    # streamed scoring only: one chunk with the prompt and finish_reason, then [DONE]
+    events = sse_events(client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 0, "echo": True,
+                                                             "logprobs": 0, "stream": True}).text)
+    assert len(events) == 2 and events[0]["choices"][0]["finish_reason"] == "length"
+    assert events[0]["choices"][0]["text"] == "hello there"
+
+
+def test_tgi_decoder_input_details_fills_prefill(client, tiny_ckpt):  # noqa: F811
+    ids = client.post("/tokenize", json={"prompt": SCORED}).json()["tokens"]
+    expected = reference_prompt_logprobs(tiny_ckpt, ids)
+    for route in ("/generate", "/"):
+        out = client.post(route, json={"inputs": SCORED, "parameters": {"max_new_tokens": 2,
+                                                                        "decoder_input_details": True}}).json()
+        details = (out[0] if route == "/" else out)["details"]  # decoder_input_details implies details (TGI)
+        prefill = details["prefill"]
+        assert [t["id"] for t in prefill] == ids and prefill[0]["logprob"] is None
+        assert [t["logprob"] for t in prefill[1:]] == pytest.approx(expected, abs=1e-5)
+        assert "".join(t["text"] for t in prefill) == SCORED and set(prefill[0]) == {"id", "text", "logprob"}
+        assert len(details["tokens"]) == 2
+    plain = client.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2, "details": True}})
+    assert plain.json()["details"]["prefill"] == []
+
+
+def test_tokenizer_info_and_tokenize_as_lm_eval_checks_them(client):
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|endoftext|>" and info["bos_token"] == "<|endoftext|>"
+    assert info["pad_token"] is None and info["chat_template"] and info["model_max_length"] == BLOCK
+    assert info["tokenizer_class"] == "GPT2Tokenizer"
+    # lm-eval's RemoteTokenizer: eos_token_id = tokenize(eos_token)[0]
+    r = client.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+    assert r["tokens"] == [info["eos_token_id"]]
+    same = client.post("/tokenize", json={"prompt": "test", "add_special_tokens": True}).json()["tokens"]
+    assert same == client.post("/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()["tokens"]
+
+
+def test_logit_bias_min_tokens_stop_token_ids_over_http(client, tiny_ckpt):  # noqa: F811
+    ref = reference_generate(tiny_ckpt, "hello", max_new_tokens=6, temperature=0, stop_at_eos=False)
+    banned = ref.tokens[0]
+    out = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, "temperature": 0,
+                                               "ignore_eos": True, "logit_bias": {str(banned): -100}}).json()
+    forced = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "temperature": 0.9, "seed": 1,
+                                                  "logit_bias": {"120": 100}, "logprobs": 0}).json()
+    assert "".join(forced["choices"][0]["logprobs"]["tokens"]) == "x" * 4  # token 120 is the byte "x"
+    got = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, "temperature": 0,
+                                               "ignore_eos": True, "logprobs": 0}).json()
+    assert got["choices"][0]["text"] == ref.text  # no bias: the model's own greedy choice
+    assert out["choices"][0]["text"] != ref.text
+    # stop_token_ids: the greedy reply ends at the third token (its text left out), finish_reason stop
+    stop = ref.tokens[2]
+    first = ref.tokens.index(stop)
+    r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                             "stop_token_ids": [stop], "logprobs": 0}).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and len(r["logprobs"]["tokens"]) == first + 1
+    assert r["text"] == "".join(r["logprobs"]["tokens"][:first])
+    # min_tokens past it: the stop token cannot come first
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 6,
+                                                  "temperature": 0, "min_tokens": 6, "stop_token_ids": [stop],
+                                                  "ignore_eos": True}).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 6
+
+
 # ------------------------------------------------------------------------------------------- bad input
 TGI_ROUTES = ["/generate", "/generate_stream", "/"]
 BAD_TGI = [
@@ -298,7 +448,9 @@ BAD_TGI = [
     ({"inputs": "a", "parameters": {"typical_p": 0.5}}, 422, "parameters.typical_p"),
     ({"inputs": "a", "parameters": {"watermark": True}}, 422, "parameters.watermark"),
     ({"inputs": "a", "parameters": {"grammar": {"type": "json", "value": {}}}}, 422, "parameters.grammar"),
-    ({"inputs": "a", "parameters": {"decoder_input_details": True}}, 422, "parameters.decoder_input_details"),
+    ({"inputs": "a", "stream": True, "parameters": {"decoder_input_details": True}}, 422,
+     "parameters.decoder_input_details"),  # TGI refuses it when streaming
+    ({"inputs": "a", "parameters": {"decoder_input_details": "yes"}}, 422, "parameters.decoder_input_details"),
     ({"inputs": "a", "parameters": {"top_n_tokens": 100}}, 422, "parameters.top_n_tokens"),
     ({"inputs": "a", "parameters": {"truncate": 0}}, 422, "parameters.truncate"),
     ({"inputs": "a", "stream": "yes"}, 422, "stream"),
@@ -318,12 +470,30 @@ BAD_OPENAI = [
     ({"prompt": "a", "n": 2, "max_tokens": 2}, 200, None), ({"prompt": "a", "n": 17}, 422, "n"),
     ({"prompt": "a", "n": 0}, 422, "n"), ({"prompt": "a", "best_of": 3}, 422, "best_of"),
     ({"prompt": "a", "logprobs": 6}, 422, "logprobs"), ({"prompt": "a", "logprobs": -1}, 422, "logprobs"),
-    ({"prompt": "a", "echo": True, "logprobs": 1}, 422, "echo"), ({"prompt": "a", "stop": 5}, 422, "stop"),
+    ({"prompt": "a", "echo": True, "logprobs": 1, "max_tokens": 1}, 200, None),
+    ({"prompt": "a", "stop": 5}, 422, "stop"),
+    ({"prompt": "a", "echo": True, "max_tokens": 0}, 200, None), ({"prompt": "a", "max_tokens": -1}, 422, "max_tokens"),
+    ({"prompt": "a", "prompt_logprobs": 6}, 422, "prompt_logprobs"),
+    ({"prompt": "a", "prompt_logprobs": -1}, 422, "prompt_logprobs"),
     ({"prompt": "a", "stop": [1]}, 422, "stop.0"), ({"prompt": "a", "stop": ["a"] * 17}, 422, "stop"),
     ({"prompt": "a", "presence_penalty": 2.5}, 422, "presence_penalty"),
     ({"prompt": "a", "presence_penalty": 1, "frequency_penalty": -0.5, "max_tokens": 2}, 200, None),
     ({"prompt": "a", "frequency_penalty": 5}, 422, "frequency_penalty"),
-    ({"prompt": "a", "logit_bias": {"1": 5}}, 422, "logit_bias"), ({"prompt": "a", "suffix": "x"}, 422, "suffix"),
+    ({"prompt": "a", "logit_bias": {"1": 5}, "max_tokens": 2}, 200, None),
+    ({"prompt": "a", "suffix": "x"}, 422, "suffix"),
+    ({"prompt": "a", "logit_bias": {"x": 5}}, 422, "logit_bias.x"),
+    ({"prompt": "a", "logit_bias": {"-1": 5}}, 422, "logit_bias.-1"),
+    ({"prompt": "a", "logit_bias": {"99999": 5}}, 422, "logit_bias.99999"),
+    ({"prompt": "a", "logit_bias": {"1": 100.5}}, 422, "logit_bias.1"),
+    ({"prompt": "a", "logit_bias": {"1": "up"}}, 422, "logit_bias.1"),
+    ({"prompt": "a", "logit_bias": 5}, 422, "logit_bias"),
+    ({"prompt": "a", "min_tokens": -1}, 422, "min_tokens"),
+    ({"prompt": "a", "min_tokens": 5, "max_tokens": 2}, 200, None), ({"prompt": "a", "logit_bias": {"01": 1}}, 422,
+                                                                     "logit_bias.01"),
+    ({"prompt": "a", "stop_token_ids": [9999]}, 422, "stop_token_ids.0"),
+    ({"prompt": "a", "stop_token_ids": "x"}, 422, "stop_token_ids"),
+    ({"prompt": "a", "ignore_eos": "y"}, 422, "ignore_eos"),
+    ({"prompt": "a", "ignore_eos": True, "min_tokens": 1, "stop_token_ids": [5], "max_tokens": 2}, 200, None),
     ({"prompt": "a", "stream": "true"}, 422, "stream"), ({"prompt": "a", "stream_options": 5}, 422, "stream_options"),
     ({"prompt": "a", "seed": -3}, 422, "seed"), ({"prompt": "a", "model": 5}, 422, "model"),
     ({"prompt": "a", "max_tokens": 2, "stop": "x", "user": "u", "n": 1, "logit_bias": {}}, 200, None),

@@ -235,6 +235,31 @@ def test_openai_completions_token_id_prompts(oai, ref):
     assert [(ch.index, ch.text) for ch in c.choices] == [(i, p + r.text) for i, (p, r) in enumerate(zip(PROMPTS, refs))]
 
 
+def test_openai_completions_echo_logprobs_and_vllm_extensions(oai, ref):
+    """What lm-evaluation-harness and benchmark clients send through the SDK: echo + logprobs (the prompt scored,
+    the first entry null), max_tokens 0 (scoring only), and vLLM's fields in extra_body."""
+    r = ref(PROMPTS[1], max_new_tokens=3, temperature=0)
+    c = oai.completions.create(model="tiny", prompt=[r.prompt], max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lp = c.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(r.prompt) + 1 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(len(t) in (1, 2) for t in lp.top_logprobs[1:])
+    assert c.choices[0].text == PROMPTS[1] + r.text[:len(c.choices[0].text) - len(PROMPTS[1])]
+    score = oai.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=0, logprobs=0, echo=True)
+    assert score.choices[0].finish_reason == "length" and score.usage.completion_tokens == 0
+    assert score.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+    forced = oai.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0,
+                                    logit_bias={"120": 100}, extra_body={"ignore_eos": True, "min_tokens": 4})
+    assert forced.choices[0].text == "xxxx"
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="tiny", prompt="hi", max_tokens=2, logit_bias={"nope": 1})
+    assert e.value.param == "logit_bias.nope"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"stop_token_ids": [10**6]})
+    assert e.value.param == "stop_token_ids.0" and "out of range" in e.value.message
+
+
 def test_openai_completions_bad_parameter(oai):
     import openai
 
@@ -320,6 +345,10 @@ def test_text_generation_client_generate(live, tg, ref):
     assert sampled.generated_text == seeded.text and sampled.details.seed == 4
     top = tg.Client(live.url, timeout=30).generate("hello", max_new_tokens=3, top_n_tokens=2)
     assert len(top.details.top_tokens) == 3 and all(len(t) == 2 for t in top.details.top_tokens)
+    prefill = tg.Client(live.url, timeout=30).generate("hello", max_new_tokens=2, decoder_input_details=True)
+    p = prefill.details.prefill  # PrefillToken(id, text, logprob): the prompt's tokens, the first without one
+    assert [t.id for t in p] == expected.prompt and p[0].logprob is None and all(t.logprob < 0 for t in p[1:])
+    assert "".join(t.text for t in p) == "hello"
 
 
 def test_text_generation_client_generate_stream(live, tg, ref):

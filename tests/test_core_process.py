@@ -156,3 +156,30 @@ def test_a_client_disconnect_reaches_the_core_and_frees_the_slot(tiny_ckpt):  # 
         assert 'finish_reason="cancelled",status="499"} 1.0' in text or "length" in text  # it may have finished
     finally:
         assert stop(proc) == 0
+
+
+def test_prompt_logprobs_and_biases_cross_the_process_boundary(tiny_ckpt):  # noqa: F811
+    """The new request and output fields (prompt log-probabilities, logit_bias with integer keys, min_tokens,
+    stop_token_ids) travel through msgspec to the core process and back as in the thread mode."""
+    bodies = [
+        ("/v1/completions", {"prompt": "the king is dead, long live the king", "max_tokens": 2, "temperature": 0,
+                             "echo": True, "logprobs": 2, "prompt_logprobs": 1}),
+        ("/v1/completions", {"prompt": [[5, 6, 7, 8]], "max_tokens": 0, "echo": True, "logprobs": 0}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 5, "temperature": 0.8, "seed": 3, "ignore_eos": True,
+                             "logit_bias": {"104": 3.5}, "min_tokens": 2, "stop_token_ids": [101]}),
+        ("/generate", {"inputs": "hello", "parameters": {"max_new_tokens": 3, "decoder_input_details": True}}),
+    ]
+
+    def strip(out: dict) -> dict:
+        return {k: v for k, v in out.items() if k not in ("id", "created")}
+
+    proc, url = start_app_process(tiny_ckpt)
+    try:
+        got = [strip(httpx.post(url + route, json=b, timeout=30).json()) for route, b in bodies]
+    finally:
+        assert stop(proc) == 0
+    with app_client(tiny_ckpt) as c:
+        threaded = [strip(c.post(route, json=b).json()) for route, b in bodies]
+    assert got == threaded
+    assert got[0]["choices"][0]["logprobs"]["token_logprobs"][0] is None and got[0]["choices"][0]["prompt_logprobs"]
+    assert got[1]["choices"][0]["finish_reason"] == "length" and got[3]["details"]["prefill"][1]["logprob"] < 0

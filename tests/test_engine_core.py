@@ -157,3 +157,122 @@ def test_margins_of_the_reuse_test_set_are_not_tiny(ckpt):
     for _, _, got in conversation(EngineCore(ckpt.model, **kw), ckpt, dict(max_new_tokens=12, temperature=0)):
         for outs in got.values():
             assert min(o.top[0][0][1] - o.top[0][1][1] for o in outs) > 1e-3
+
+
+# ------------------------------------------------------------------------------------------ prompt log-probabilities
+def reference_scores(model, prompt: list[int], vocab: int, top: int):
+    """A full forward over the whole prompt (fp32): log_softmax at each position, for tokens 1.."""
+    with torch.inference_mode():
+        logits, _ = model(torch.tensor([prompt]))
+    lsm = torch.log_softmax(logits[0, :, :vocab].float(), -1)
+    lps = [lsm[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    ranks = [int((lsm[i - 1] > lsm[i - 1, prompt[i]]).sum()) + 1 for i in range(1, len(prompt))]
+    tops = lsm[:-1].topk(top, -1)
+    return lps, ranks, tops
+
+
+@pytest.mark.parametrize("piece", [None, 3 * 300])  # the engine's default piece, and 3 rows per head piece
+def test_prompt_logprobs_equal_a_full_forward_chunked_and_batched(ckpt, monkeypatch, piece):
+    import model.engine_core as engine_core
+
+    if piece is not None:
+        monkeypatch.setattr(engine_core, "PROMPT_LOGPROBS_PIECE", piece)
+    tok, V = ckpt.tokenizer, ckpt.tokenizer.vocab_size
+    long_prompt = tok.encode("the king is dead, long live the king; the the then there")  # > 2 chunks of 7
+    short = tok.encode("hello")
+    refs = {p: reference_scores(ckpt.model, list(p), V, 3) for p in (tuple(long_prompt), tuple(short))}
+    core = EngineCore(ckpt.model, n_slots=3, vocab_size=V, eos_id=tok.eot_id, prefill_chunk=7)
+    reqs = requests(ckpt)[:3] + [
+        EngineRequest("long", long_prompt, SamplingParams(max_new_tokens=5, temperature=0), seed=0,
+                      prompt_logprobs=3),
+        EngineRequest("score", long_prompt, SamplingParams(max_new_tokens=0), seed=0, prompt_logprobs=0),
+        EngineRequest("short", short, SamplingParams(max_new_tokens=3, temperature=0.8), seed=5, top_n=1,
+                      prompt_logprobs=2)]
+    rows_seen = []
+    head = ckpt.model.head
+    monkeypatch.setattr(ckpt.model, "head", lambda h: rows_seen.append(h.shape[0]) or head(h))
+    got = drive(core, reqs)
+    piece_rows = engine_core.PROMPT_LOGPROBS_PIECE // V
+    # never the prompt x vocabulary at once: at most a chunk's rows (7), and at most a piece's
+    assert max(rows_seen) <= min(max(piece_rows, 3), 7) < len(long_prompt)
+    for rid, prompt, k in (("long", long_prompt, 3), ("score", long_prompt, 0), ("short", short, 2)):
+        outs = got[rid]
+        pl = outs[0].prompt_logprobs
+        assert pl is not None and all(o.prompt_logprobs is None for o in outs[1:])
+        lps, ranks, tops = refs[tuple(prompt)]
+        assert len(pl.logprobs) == len(prompt) and pl.logprobs[0] is None and pl.ranks[0] is None
+        assert pl.logprobs[1:] == pytest.approx(lps, abs=1e-5)
+        assert pl.ranks[1:] == ranks
+        if k:
+            assert pl.top[0] == [] and len(pl.top) == len(prompt)
+            assert [[t for t, _ in row] for row in pl.top[1:]] == tops.indices[:, :k].tolist()
+            torch.testing.assert_close(torch.tensor([[v for _, v in row] for row in pl.top[1:]], dtype=torch.float64),
+                                       tops.values[:, :k].double(), atol=1e-5, rtol=0)
+            # the token's own logprob and the best alternative's are the same number when it is the best
+            assert all(row[0][1] == lp for row, lp, rank in zip(pl.top[1:], pl.logprobs[1:], pl.ranks[1:])
+                       if rank == 1)
+        else:
+            assert pl.top is None
+    # scoring only: one output, nothing sampled, finish length
+    (only,) = got["score"]
+    assert only.token_ids == [] and only.finish == "length" and only.queue_s is not None
+    # scoring changes nothing in what is generated: the same requests without prompt log-probabilities
+    plain = drive(EngineCore(ckpt.model, n_slots=3, vocab_size=V, eos_id=tok.eot_id, prefill_chunk=7),
+                  [EngineRequest(r.request_id, r.prompt, r.params, r.seed, r.top_n) for r in reqs])
+    for rid in ("0", "1", "2", "long", "short"):
+        assert [o.token_ids for o in got[rid]] == [o.token_ids for o in plain[rid]], rid
+
+
+def test_scoring_only_requests_grouped_with_generating_ones(ckpt):
+    """Whole prompts of equal length prefill in one pass: some rows score only, the others sample."""
+    tok, V = ckpt.tokenizer, ckpt.tokenizer.vocab_size
+    a, b = tok.encode("abcdef"), tok.encode("uvwxyz")
+    assert len(a) == len(b)
+    core = EngineCore(ckpt.model, n_slots=4, vocab_size=V, eos_id=tok.eot_id)
+    got = drive(core, [
+        EngineRequest("s1", a, SamplingParams(max_new_tokens=0), seed=0, prompt_logprobs=1),
+        EngineRequest("g", b, SamplingParams(max_new_tokens=6, temperature=0), seed=0),
+        EngineRequest("s2", b, SamplingParams(max_new_tokens=0), seed=0),  # no log-probabilities: just ends
+    ])
+    assert core.prefill_chunks == 1
+    solo = generate(ckpt.model, tok, [b], SamplingParams(max_new_tokens=6, temperature=0))[0]
+    assert [o.token_ids[0] for o in got["g"]] == solo.tokens
+    assert got["s1"][0].prompt_logprobs.logprobs[1:] == pytest.approx(reference_scores(ckpt.model, a, V, 1)[0],
+                                                                        abs=1e-5)
+    assert [(o.token_ids, o.finish, o.prompt_logprobs) for o in got["s2"]] == [([], "length", None)]
+    assert not core.has_work() and core.scheduler.free == [0, 1, 2, 3]
+
+
+def test_prompt_logprobs_of_a_one_token_prompt_and_of_aborted_requests(ckpt):
+    V = ckpt.tokenizer.vocab_size
+    core = EngineCore(ckpt.model, n_slots=2, vocab_size=V, prefill_chunk=4)
+    (out,) = drive(core, [EngineRequest("one", [5], SamplingParams(max_new_tokens=0), seed=0,
+                                        prompt_logprobs=2)])["one"]
+    assert (out.prompt_logprobs.logprobs, out.prompt_logprobs.ranks, out.prompt_logprobs.top) == ([None], [None], [[]])
+    core.add(EngineRequest("gone", [5] * 20, SamplingParams(max_new_tokens=2), seed=0, prompt_logprobs=1))
+    core.step()  # one chunk of four scored
+    assert "gone" in core._scores
+    core.abort(["gone"])
+    assert not core._scores and not core.has_work()
+
+
+def test_stop_token_ids_and_min_tokens_end_requests_in_the_core(ckpt):
+    tok, V = ckpt.tokenizer, ckpt.tokenizer.vocab_size
+    prompt = tok.encode("the the the")
+    greedy = generate(ckpt.model, tok, [prompt], SamplingParams(max_new_tokens=8, temperature=0,
+                                                                 stop_at_eos=False))[0].tokens
+    stop = greedy[2]
+    first = greedy.index(stop)
+    core = EngineCore(ckpt.model, n_slots=2, vocab_size=V, eos_id=tok.eot_id)
+    got = drive(core, [EngineRequest("s", prompt, SamplingParams(max_new_tokens=8, temperature=0, stop_at_eos=False,
+                                                                 stop_token_ids=[stop]), seed=0)])
+    assert [o.token_ids[0] for o in got["s"]] == greedy[:first + 1] and got["s"][-1].finish == "stop_sequence"
+    # min_tokens past the stop token's first appearance: it cannot be drawn there, and the request goes on
+    got = drive(core, [EngineRequest("m", prompt, SamplingParams(max_new_tokens=8, temperature=0, min_tokens=first + 1,
+                                                                 stop_at_eos=False, stop_token_ids=[stop]), seed=0)])
+    tokens = [o.token_ids[0] for o in got["m"]]
+    assert stop not in tokens[:first + 1] and len(tokens) > first + 1
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        core.add(EngineRequest("x", prompt, SamplingParams(stop_token_ids=[V]), seed=0))
+    with pytest.raises(ValueError, match="logit_bias"):
+        core.add(EngineRequest("y", prompt, SamplingParams(logit_bias={-1: 1.0}), seed=0))

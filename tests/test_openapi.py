@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import tiny_model, write_byte_ranks
 from tests.test_app_support import LiveServer, app_client, make_app, one_torch_thread, tiny_ckpt  # noqa: F401
 
-GENERATION = {"/generate": "TGIRequest", "/generate_stream": "TGIRequest", "/": "CompatRequest",
+GENERATION = {"/generate": "TGIRequest", "/generate_stream": "StreamRequest", "/": "CompatRequest",
               "/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest"}
 
 
@@ -53,6 +53,14 @@ def test_model_limits_are_in_the_schema(schema):
     typical_p = comps["TGIParameters"]["properties"]["typical_p"]
     assert typical_p["minimum"] == typical_p["maximum"] == 1
     assert comps["TGIParameters"]["properties"]["watermark"]["enum"] == [False, None]
+    # the scoring and biasing fields: token ids within the vocabulary, the refused combinations stated
+    assert branch("CompletionRequest", "prompt_logprobs", "integer")["maximum"] == 4
+    assert branch("CompletionRequest", "stop_token_ids", "array")["items"]["maximum"] == 260
+    keys = re.compile(branch("ChatCompletionRequest", "logit_bias", "object")["propertyNames"]["pattern"])
+    assert [k for k in ("0", "7", "260", "261", "007", "-1", "x") if keys.match(k)] == ["0", "7", "260"]
+    assert comps["CompletionRequest"]["then"] == {"required": ["echo"], "properties": {"echo": {"const": True}}}
+    assert comps["StreamRequest"]["not"]["properties"]["parameters"]["required"] == ["decoder_input_details"]
+    assert comps["TGIRequest"]["not"]["allOf"][0]["properties"]["stream"] == {"const": True}
 
 
 def test_no_untyped_operation(schema):

@@ -296,3 +296,92 @@ def test_extreme_but_valid_parameters_stay_finite():
     assert SamplingParams(temperature=5e-324).greedy
     with pytest.raises(ValueError, match="repetition_penalty"):
         SamplingParams(repetition_penalty=5e-324).validate()
+
+
+# ---------------------------------------------------------------------------------------------- logit_bias, min_tokens
+def sampled_run(logits: torch.Tensor, steps: int, n_rows: int = 32, **params) -> list[list[int]]:
+    """n_rows requests with different seeds, all seeing `logits` every step: their tokens per step."""
+    s = Sampler(n_rows, logits.numel(), steps + 2, block_size=32)
+    for i in range(n_rows):
+        s.admit(i, SamplingParams(temperature=1.0, seed=i, **params), [1], seed=i)
+    return [[d.token for d in s.step(logits.expand(n_rows, -1).clone(), range(n_rows))] for _ in range(steps)]
+
+
+def test_logit_bias_minus_100_never_emits_and_plus_100_always_does():
+    V = 100
+    logits = torch.zeros(V)
+    logits[7] = 3.0  # the most likely token (about 17% of the mass)
+    before = sum(row.count(7) for row in sampled_run(logits, 8))
+    assert before > 10  # the check can fail: without the bias token 7 is drawn
+    assert all(7 not in row for row in sampled_run(logits, 8, logit_bias={7: -100.0}))
+    assert greedy_run(logits.tolist(), [1], 5, logit_bias={42: 100.0}) == [42] * 5
+    assert all(t == 42 for row in sampled_run(logits, 4, logit_bias={42: 100.0}) for t in row)
+    # a small bias moves the greedy choice only where it outweighs the gap
+    assert greedy_run([1.0, 0.5, 0.0], [1], 1, logit_bias={1: 0.6}) == [1]
+    assert greedy_run([1.0, 0.5, 0.0], [1], 1, logit_bias={1: 0.4}) == [0]
+
+
+def test_logit_bias_is_applied_before_temperature_and_logprobs_stay_raw():
+    V = 64
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(3))
+    s = Sampler(1, V, 4, block_size=16)
+    s.admit(0, SamplingParams(temperature=0.5, seed=1, logit_bias={5: 100.0}), [1], seed=1, top_n=2)
+    d = s.step(logits.clone(), [0])[0]
+    assert d.token == 5
+    raw = torch.log_softmax(logits[0], -1)
+    assert d.logprob == pytest.approx(raw[5].item(), abs=1e-5)
+    assert [t for t, _ in d.top] == raw.topk(2).indices.tolist()
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids_until_reached():
+    V, EOS = 50, 49
+    logits = [0.0] * V
+    logits[EOS], logits[3] = 5.0, 4.0  # EOS, then token 3, are the greedy choices
+    s = Sampler(2, V, 12, block_size=16, eos_id=EOS)
+    s.admit(0, SamplingParams(temperature=0.0, min_tokens=3), [1], seed=0)
+    s.admit(1, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]), [1], seed=0)
+    steps = [[d.token for d in s.step(torch.tensor([logits, logits]), range(2))] for _ in range(5)]
+    assert [row[0] for row in steps] == [3, 3, 3, EOS, EOS]
+    assert [row[1] for row in steps] == [0, 0, EOS, EOS, EOS]  # 3 and EOS suppressed: the first of the rest
+    # ignore_eos (stop_at_eos=False): EOS is an ordinary token, not suppressed
+    assert greedy_run(logits, [1], 2, min_tokens=2, stop_at_eos=False) == [EOS, EOS]
+
+
+def test_bias_and_min_tokens_follow_a_moved_request_and_leave_the_next_one_alone():
+    V, EOS = 40, 39
+    logits = torch.zeros(2, V)
+    logits[:, EOS] = 5.0
+    s = Sampler(2, V, 10, block_size=16, eos_id=EOS)
+    s.admit(1, SamplingParams(temperature=0.0, logit_bias={7: 100.0}), [1], seed=0)
+    s.move([1], [0])
+    s.release(1)
+    s.admit(1, SamplingParams(temperature=0.0, min_tokens=1), [1], seed=0)
+    assert [d.token for d in s.step(logits.clone(), range(2))] == [7, 0]
+    s.release(0)
+    s.admit(0, SamplingParams(temperature=0.0), [1], seed=0)  # a plain request where the biased one was
+    assert [d.token for d in s.step(logits.clone(), range(2))] == [EOS, EOS]
+
+
+def test_unused_bias_keeps_the_fast_path():
+    s = Sampler(2, 300, 8)
+    s.admit(0, SamplingParams(temperature=0.0), [1], seed=0)
+    s.admit(1, SamplingParams(temperature=1.0, min_tokens=2), [1], seed=0)  # no EOS known, no stop ids: nothing
+    plan = s._plan(range(2))
+    assert not plan.bias and not plan.min_tokens
+    assert s.bias is None and s.suppress is None
+    s.admit(1, SamplingParams(temperature=1.0, logit_bias={3: 1.0}), [1], seed=0)
+    assert s._plan(range(2)).bias and s.bias is not None
+
+
+@pytest.mark.parametrize("params", [dict(logit_bias={3: 2.0}), dict(min_tokens=3, stop_token_ids=[4])])
+def test_a_biased_step_reads_back_once(params):
+    V, B = 5000, 4
+    s = Sampler(B, V, 20, eos_id=V - 1)
+    for i in range(B):
+        s.admit(i, SamplingParams(temperature=0.8, **params), [1, 2], seed=i, top_n=2)
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(0))
+    s.step(logits, range(B))
+    with ReadBackCounter() as c:
+        for _ in range(3):
+            s.step(logits, range(B))
+    assert c.calls == ["tolist"] * 3

@@ -409,3 +409,21 @@ def test_a_burst_sharing_a_system_prompt_prefills_it_once():
     assert computed == 43 + 3 * 3  # the system prompt once; the others only their own 3-token tails
     assert [outs[f"r{i}"][0].cached_tokens for i in range(4)] == [0, 40, 40, 40] and s.hit_tokens == 3 * 40
     assert all(len(v) == 3 for v in outs.values())
+
+
+def test_a_request_scoring_its_prompt_computes_all_of_it_but_leaves_it_cached():
+    s, kv = Scheduler(2, eos_id=EOS, prefix_cache=True, min_prefix=4, prefix_block=4), KV(2)
+    p = list(range(40, 60))
+    s.add(preq("a", p, max_new=1))
+    finish_all(s, kv)
+    scored = EngineRequest("score", p + [1, 2], SamplingParams(max_new_tokens=0), seed=1, prompt_logprobs=1)
+    s.add(scored)
+    step = s.schedule(0.0)
+    assert step.ops[-1][3] == 0 and step.prefills[0].start == 0  # every prompt position computed
+    kv.apply(step.ops)
+    kv.compute(step)
+    (out,) = s.update(step, [])
+    assert out.finish == FinishReason.LENGTH and out.cached_tokens == 0
+    s.add(preq("next", p + [1, 2, 3], max_new=1))
+    step = s.schedule(0.0)
+    assert step.prefills[0].start == 22  # the scored prompt is reused by the next one

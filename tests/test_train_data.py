@@ -97,6 +97,26 @@ def test_named_tokenizer_and_dtype(tmp_path, gpt2_tokenizer):
     assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
 
 
+def test_the_input_is_checked_before_the_tokenizer_loads(tmp_path, monkeypatch):
+    """Offline, GPT-2's ranks cannot be downloaded: a mistake in the input is still reported as such."""
+    import training.prepare as prepare_mod
+    from model.tokenizer import TokenizerError
+
+    def offline(name):
+        raise TokenizerError(f"cannot load tiktoken encoding {name!r} (offline)")
+
+    monkeypatch.setattr(prepare_mod.Tokenizer, "load", staticmethod(offline))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DataError, match="input is empty"):
+        prepare([str(tmp_path / "empty.txt")], tmp_path / "o", "r50k_base", progress=False)
+    with pytest.raises(DataError, match="no such file"):
+        prepare([str(tmp_path / "nope.txt")], tmp_path / "o", "r50k_base", progress=False)
+    (tmp_path / "a.txt").write_text("some text")
+    with pytest.raises(DataError, match="--tokenizer: cannot load"):  # a good input: now the tokenizer speaks
+        prepare([str(tmp_path / "a.txt")], tmp_path / "o", "r50k_base", progress=False)
+    assert not (tmp_path / "o").exists()
+
+
 def test_invalid_utf8_offset_across_read_blocks(tmp_path, ranks, monkeypatch):
     monkeypatch.setattr(text_mod, "READ_BLOCK", 7)
     f = tmp_path / "bad.txt"

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from model.checkpoint import TRAINING_STATE, load_checkpoint, save_checkpoint
 from model.generate import SamplingParams, generate
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, write_byte_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["n_layer=2", "n_head=2", "n_embd=32", "block_size=32", "batch_size=4", "eval_iters=2", "log_interval=1",
@@ -395,7 +395,9 @@ def test_prepare_errors(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     assert "empty" in err("--input", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o"))
     (tmp_path / "bad.txt").write_bytes(b"hello world\n" * 3 + b"caf\xe9 \xff\n")
-    msg = err("--input", str(tmp_path / "bad.txt"), "--out", str(tmp_path / "o"))
+    # a ranks file of our own: the check must not depend on GPT-2's ranks (downloaded on first use)
+    ranks = str(write_byte_ranks(tmp_path / "bytes.tiktoken"))
+    msg = err("--input", str(tmp_path / "bad.txt"), "--out", str(tmp_path / "o"), "--tokenizer", ranks)
     assert "bad.txt" in msg and "byte offset 39" in msg
     assert "val-fraction" in err("--input", str(tmp_path / "bad.txt"), "--out", str(tmp_path / "o"),
                                  "--val-fraction", "1.5")

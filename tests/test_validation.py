@@ -49,8 +49,49 @@ def test_completion_choices_are_numbered_and_seeded(byte_tokenizer):
                                     byte_tokenizer, LIMITS), "n")  # 8 choices > 6 the server holds
     refused(lambda: plan_completion(CompletionRequest.model_validate({"prompt": [[1, 2], [3, 999]]}),
                                     byte_tokenizer, LIMITS), "prompt.1.1")
-    refused(lambda: plan_completion(CompletionRequest.model_validate({"prompt": "a", "echo": True, "logprobs": 1}),
-                                    byte_tokenizer, LIMITS), "echo")
+
+
+def completion(body: dict, tok):
+    return plan_completion(CompletionRequest.model_validate(body), tok, LIMITS)
+
+
+def test_echo_logprobs_and_scoring_plans(byte_tokenizer):
+    lm_eval = completion({"prompt": [[5, 6, 7]], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0},
+                         byte_tokenizer)  # what lm-evaluation-harness sends for a loglikelihood
+    assert lm_eval.prompt_logprobs == 1 and lm_eval.echo_logprobs and lm_eval.top_n == 1
+    score = completion({"prompt": "abc", "echo": True, "max_tokens": 0}, byte_tokenizer)
+    assert score.params.max_new_tokens == 0 and score.prompt_logprobs is None and not score.echo_logprobs
+    vllm = completion({"prompt": "abc", "prompt_logprobs": 2, "logprobs": 1, "echo": True}, byte_tokenizer)
+    assert vllm.prompt_logprobs == 2 and vllm.vllm_prompt_logprobs == 2 and vllm.top_n == 1
+    plain = completion({"prompt": "abc", "logprobs": 2}, byte_tokenizer)  # no echo: the prompt is not scored
+    assert plain.prompt_logprobs is None and plain.vllm_prompt_logprobs is None
+    refused(lambda: completion({"prompt": "a", "max_tokens": 0}, byte_tokenizer), "max_tokens")
+    refused(lambda: completion({"prompt": "a", "prompt_logprobs": 4}, byte_tokenizer), "prompt_logprobs")
+    tgi = plan_tgi(TGIRequest.model_validate({"inputs": "ab", "parameters": {"decoder_input_details": True}}),
+                   byte_tokenizer, LIMITS)
+    assert tgi.prompt_logprobs == 0 and tgi.details and tgi.decoder_input_details
+    refused(lambda: plan_tgi(TGIRequest.model_validate({"inputs": "ab", "parameters": {"decoder_input_details": True}}),
+                             byte_tokenizer, LIMITS, stream=True), "parameters.decoder_input_details")
+
+
+def test_logit_bias_min_tokens_stop_token_ids_ignore_eos(byte_tokenizer, tmp_path):
+    p = completion({"prompt": "a", "max_tokens": 5, "logit_bias": {"7": -100, "260": 2.5}, "min_tokens": 3,
+                    "stop_token_ids": [4, 9], "ignore_eos": True}, byte_tokenizer).params
+    assert p.logit_bias == {7: -100.0, 260: 2.5} and p.min_tokens == 3 and p.stop_token_ids == [4, 9]
+    assert not p.stop_at_eos and completion({"prompt": "a"}, byte_tokenizer).params.stop_at_eos
+    refused(lambda: completion({"prompt": "a", "logit_bias": {"261": 1}}, byte_tokenizer), "logit_bias.261")
+    refused(lambda: completion({"prompt": "a", "logit_bias": {"0x1": 1}}, byte_tokenizer), "logit_bias.0x1")
+    refused(lambda: completion({"prompt": "a", "stop_token_ids": [1, 300]}, byte_tokenizer), "stop_token_ids.1")
+    refused(lambda: completion({"prompt": "a", "logit_bias": {"07": 1}}, byte_tokenizer), "logit_bias.07")
+    # min_tokens beyond max_tokens: no stop before max_tokens (vLLM refuses it; no JSON schema can say so)
+    assert completion({"prompt": "a", "max_tokens": 2, "min_tokens": 3}, byte_tokenizer).params.min_tokens == 2
+    # the chat API has them too (vLLM's chat request does)
+    template = load_chat_template(tmp_path)
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = plan_chat(ChatCompletionRequest.model_validate({"messages": msgs, "logit_bias": {"3": 1}, "min_tokens": 2,
+                                                           "max_completion_tokens": 4}),
+                     byte_tokenizer, LIMITS, template)
+    assert chat.params.logit_bias == {3: 1.0} and chat.params.min_tokens == 2
 
 
 def test_chat_plan(byte_tokenizer, tmp_path):

@@ -55,19 +55,20 @@ def prepare(inputs: list[str], out: str | Path, tokenizer_name: str = "r50k_base
             progress: bool = True) -> dict:
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    # the user's input first (missing, empty, output path), then the tokenizer: GPT-2's ranks may need a download
+    # that fails offline, and that should not hide a mistake in the input
     files = resolve_inputs(inputs)
-    try:
-        tokenizer = Tokenizer.load(tokenizer_name)
-    except TokenizerError as e:
-        raise DataError(f"--tokenizer: {e}") from e
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: exists and is not a directory")
-
     sizes = [f.stat().st_size for f in files]
     total = sum(sizes)
     if total == 0:
         raise DataError(f"input is empty: no text in {', '.join(map(str, files))}")
+    try:
+        tokenizer = Tokenizer.load(tokenizer_name)
+    except TokenizerError as e:
+        raise DataError(f"--tokenizer: {e}") from e
 
     # where the validation split begins, as (file index, byte offset in that file)
     split_at = math.floor(total * (1.0 - val_fraction))

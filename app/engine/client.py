@@ -70,7 +70,7 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
     def add(self, prompt: list[int], params: SamplingParams, seed: int, *, top_n: int = 0,
-            timeout_s: float = 300.0) -> RequestState:
+            timeout_s: float = 300.0, prompt_logprobs: int | None = None) -> RequestState:
         if self.dead is not None:
             raise EngineError(ErrorKind.UNAVAILABLE, f"the generation engine has stopped: {self.dead}")
         if not self.accepting:
@@ -79,9 +79,10 @@ class EngineClient:
             raise EngineError(ErrorKind.OVERLOADED, f"the server is overloaded: {len(self.processor)} requests are "
                                                     "running or waiting; retry later")
         st = RequestState(f"{self.name}-{next(self._ids)}", prompt, params, seed, self.processor.tokenizer,
-                          top_n=top_n, timeout_s=timeout_s, abort=self.abort)
+                          top_n=top_n, timeout_s=timeout_s, abort=self.abort, prompt_logprobs=prompt_logprobs)
         self.processor.add(st)
-        self._send(Add(EngineRequest(st.id, st.prompt, params, seed, top_n, st.arrival, st.deadline)))
+        self._send(Add(EngineRequest(st.id, st.prompt, params, seed, top_n, st.arrival, st.deadline,
+                                     prompt_logprobs=prompt_logprobs)))
         return st
 
     def abort(self, request_id: str) -> None:

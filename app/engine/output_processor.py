@@ -5,6 +5,10 @@ held back while a character or a stop string is incomplete), its log-probability
 last token the finish reason and whole text. A stop string found here ends the request: `process` returns
 its id so the client aborts it in the core. Items go to per-request asyncio queues; this runs on the event
 loop, once per engine step.
+
+A request that asked for its prompt's log-probabilities gets a `PromptOut` first (each prompt token with its
+text, log-probability, rank and alternatives). A request that only scores its prompt (max_new_tokens 0) gets
+nothing else: its `PromptOut` carries `finished`, as the last `TokenOut` of other requests does.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from model.engine_io import ErrorKind, RequestOutput
+from model.engine_io import ErrorKind, PromptLogprobs, RequestOutput
 from model.generate import Sequence
 from model.sampling import SamplingParams
 from model.stopping import FinishReason
@@ -43,6 +47,24 @@ class TokenOut:
 
 
 @dataclass
+class PromptToken:
+    id: int
+    text: str  # the text this token releases when the prompt is decoded as a stream (its characters, once whole)
+    logprob: float | None  # None for the first prompt token
+    rank: int | None = None  # 1 + the number of tokens more likely at its position
+    top: list[tuple[int, str, float]] | None = None  # the most likely tokens at its position (id, text, logprob)
+
+
+@dataclass
+class PromptOut:
+    """The prompt's tokens with their log-probabilities (before any generated token); `finished` is set when the
+    request only scored its prompt (nothing generated)."""
+
+    tokens: list[PromptToken]
+    finished: Finished | None = None
+
+
+@dataclass
 class Failed:
     kind: ErrorKind
     message: str
@@ -59,8 +81,10 @@ class RequestState:
     """One request as the front sees it: its sequence (text, stops), its queue of items, its deadline."""
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int, tokenizer: Tokenizer,
-                 *, top_n: int, timeout_s: float, abort: Callable[[str], None]) -> None:
+                 *, top_n: int, timeout_s: float, abort: Callable[[str], None],
+                 prompt_logprobs: int | None = None) -> None:
         self.id = request_id
+        self.prompt_logprobs = prompt_logprobs
         self.seq = Sequence(list(prompt), params, tokenizer, seed)
         self.prompt = self.seq.prompt
         self.top_n = top_n
@@ -88,7 +112,7 @@ class RequestState:
         self.cancel()
         self.queue.put_nowait(DISCONNECTED)
 
-    async def events(self, grace_s: float = 5.0) -> AsyncIterator[TokenOut | Failed]:
+    async def events(self, grace_s: float = 5.0) -> AsyncIterator[PromptOut | TokenOut | Failed]:
         """Items as they arrive; ends after the last token or a Failed, or silently when the client disconnected.
 
         The core enforces the deadline; waiting past it (plus a grace) is a safety net for a core stuck in one
@@ -146,6 +170,14 @@ class OutputProcessor:
             if out.error is not None:
                 self._end(st, Failed(out.error, out.message), out.error)
                 continue
+            if out.prompt_logprobs is not None or not out.token_ids:
+                item = PromptOut(self.prompt_tokens(st.prompt, out.prompt_logprobs) if out.prompt_logprobs else [])
+                if not out.token_ids:  # the prompt was only scored: the request ends here
+                    if out.finish is not None:
+                        item.finished = Finished(out.finish, 0, st.seed, len(st.prompt), "")
+                        self._end(st, item, out.finish)
+                    continue
+                st.queue.put_nowait(item)
             for i, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
                 ev = st.seq.append(token, logprob, out.finish)
                 n = len(st.seq.tokens)
@@ -167,6 +199,27 @@ class OutputProcessor:
                     stopped.append(st.id)
                 break
         return stopped
+
+    def prompt_tokens(self, prompt: list[int], scores: PromptLogprobs) -> list[PromptToken]:
+        """The prompt as PromptTokens: texts from one streaming decode (a character split across tokens is given
+        to the token that completes it, so the texts add up to the prompt's text), alternatives decoded."""
+        dec = self.tokenizer.stream_decoder()
+        texts = [dec.feed(t) for t in prompt]
+        texts[-1] += dec.flush()
+        names: dict[int, str] = {}
+
+        def name(t: int) -> str:
+            if t not in names:
+                names[t] = self.tokenizer.decode([t])
+            return names[t]
+
+        out = []
+        for i, (t, text, lp, rank) in enumerate(zip(prompt, texts, scores.logprobs, scores.ranks)):
+            top = None
+            if scores.top is not None:
+                top = [(a, name(a), v) for a, v in scores.top[i]]
+            out.append(PromptToken(t, text, lp, rank, top))
+        return out
 
     def fail_all(self, kind: ErrorKind, message: str) -> None:
         """Every request in flight gets a final Failed (the engine stopped or died)."""

@@ -12,6 +12,8 @@ from app.protocol.common import MAX_INT, STRICT, Seed, StopString, null_only, on
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 16  # prompts per /v1/completions request
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_STOP_TOKEN_IDS = 64
 
 TokenId = Annotated[int, Field(ge=0)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=64)] | None
@@ -40,16 +42,24 @@ class SamplingFields(BaseModel):
     stop: Stop = Field(None, description="up to the server's GPT_MAX_STOP_SEQUENCES strings")
     seed: Seed = None
     user: str | None = None
-    logit_bias: only_off(dict, {}, "logit_bias is not supported", {"maxProperties": 0}) = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(
+        max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="token id (as a string) → a bias in [-100, 100] added to its logit before penalties and "
+        "temperature; -100 bans the token, 100 forces it")
+    ignore_eos: bool | None = Field(None, description="vLLM extension: keep generating after <|endoftext|>")
+    min_tokens: int | None = Field(None, ge=0, le=MAX_INT, description="vLLM extension: <|endoftext|> and "
+                                   "stop_token_ids cannot be generated before this many tokens")
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description="vLLM extension: generating one of these token ids ends the choice (finish_reason stop; "
+        "the token's text is not part of the output)")
     best_of: only_off(int, 1, "only best_of=1 is supported", {"minimum": 1, "maximum": 1}) = None
 
 
 class CompletionRequest(SamplingFields):
-    # Echoing the prompt with log-probabilities would need the prompt's own log-probabilities, which
-    # this server does not compute: refused, and the schema says so.
-    model_config = {**STRICT, "json_schema_extra": {"not": {
-        "required": ["echo", "logprobs"],
-        "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}}}}
+    # max_tokens 0 only with echo (scoring the prompt): stated in the schema, so clients and schemathesis know
+    model_config = {**STRICT, "json_schema_extra": {
+        "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+        "then": {"required": ["echo"], "properties": {"echo": {"const": True}}}}}
 
     prompt: (Annotated[str, Field(min_length=1)]
              | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
@@ -57,10 +67,15 @@ class CompletionRequest(SamplingFields):
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                          Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
         description="a string, a list of strings, a list of token ids, or a list of token-id lists")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_INT, description="default 16, as OpenAI's")
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT, description="default 16, as OpenAI's; 0 only with "
+                                   "echo: score the prompt, generate nothing (as vLLM)")
     logprobs: int | None = Field(None, ge=0, le=MAX_INT, description="log-probabilities of the chosen token "
-                                 "and of this many alternatives")
-    echo: bool | None = Field(None, description="prepend the prompt to the text")
+                                 "and of this many alternatives (with echo: of the prompt's tokens too)")
+    echo: bool | None = Field(None, description="prepend the prompt to the text (with logprobs: and its tokens' "
+                              "log-probabilities, the first one null)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_INT, description="vLLM extension: each choice gets "
+                                        "`prompt_logprobs`, per prompt token its log-probability, rank and this "
+                                        "many alternatives (null for the first token)")
     suffix: only_off(str, "", "suffix is not supported", {"maxLength": 0}) = None
 
 
@@ -134,11 +149,19 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="only when the request has prompt_logprobs (vLLM's shape: token id → its entry)")
 
 
 class CompletionResponse(BaseModel):
@@ -224,6 +247,19 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's /tokenizer_info: the tokenizer's class and configuration (what lm-evaluation-harness reads)."""
+
+    model_config = {"extra": "allow"}
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    unk_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
 
 
 class TokenizeResponse(BaseModel):

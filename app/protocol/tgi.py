@@ -28,8 +28,10 @@ class TGIParameters(BaseModel):
     return_full_text: bool | None = None
     top_n_tokens: int | None = Field(None, ge=0, le=MAX_INT)
     truncate: int | None = Field(None, ge=1, le=MAX_INT, description="keep only the last N prompt tokens")
+    decoder_input_details: bool | None = Field(None, description="details.prefill: each prompt token with its "
+                                               "log-probability (the first null); implies details; not with "
+                                               "streaming (as TGI)")
     # TGI parameters accepted only at their "off" value
-    decoder_input_details: off_flag("prompt token details are not supported") = None
     typical_p: only_off(float, 1.0, "typical sampling is not supported (use top_p / top_k)",
                         {"minimum": 1, "maximum": 1}) = None
     best_of: only_off(int, 1, "only best_of=1 is supported", {"minimum": 1, "maximum": 1}) = None
@@ -38,10 +40,16 @@ class TGIParameters(BaseModel):
     adapter_id: null_only("adapters are not supported") = None
 
 
-class TGIRequest(BaseModel):
-    """/generate and /generate_stream."""
+_PREFILL_DETAILS = {"required": ["parameters"], "properties": {"parameters": {
+    "type": "object", "required": ["decoder_input_details"], "properties": {"decoder_input_details": {"const": True}}}}}
 
-    model_config = STRICT
+
+class TGIRequest(BaseModel):
+    """/generate and POST / (with `stream`)."""
+
+    # TGI refuses decoder_input_details while streaming; the schema says so
+    model_config = {**STRICT, "json_schema_extra": {"not": {"allOf": [
+        {"required": ["stream"], "properties": {"stream": {"const": True}}}, _PREFILL_DETAILS]}}}
 
     inputs: str = Field(min_length=1, description="the prompt")
     parameters: TGIParameters | None = None
@@ -52,6 +60,12 @@ class CompatRequest(TGIRequest):
     """POST / (TGI's compatibility route, used by huggingface_hub and text_generation)."""
 
 
+class StreamRequest(TGIRequest):
+    """/generate_stream: always a stream, so never decoder_input_details."""
+
+    model_config = {**STRICT, "json_schema_extra": {"not": _PREFILL_DETAILS}}
+
+
 # ------------------------------------------------------------------------------------------- responses
 class Token(BaseModel):
     id: int
@@ -60,13 +74,20 @@ class Token(BaseModel):
     special: bool
 
 
+class PrefillToken(BaseModel):
+    id: int
+    text: str
+    logprob: float | None = Field(description="null for the first prompt token")
+
+
 class Details(BaseModel):
     finish_reason: Literal["length", "eos_token", "stop_sequence"]
     generated_tokens: int
     seed: int | None = Field(description="the seed used (null for greedy)")
     input_length: int = Field(description="prompt tokens (ours; TGI's streams carry it)")
     prompt_tokens: int
-    prefill: list[Token] = Field(default_factory=list)
+    prefill: list[PrefillToken] = Field(default_factory=list, description="with decoder_input_details: the prompt's "
+                                        "tokens")
     tokens: list[Token] | None = None
     top_tokens: list[list[Token]] | None = None
     best_of_sequences: Any = None

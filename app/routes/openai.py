@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.engine.output_processor import Failed, RequestState, TokenOut
+from app.engine.output_processor import Failed, PromptOut, PromptToken, RequestState, TokenOut
 from app.errors import error_responses, error_type_of, invalid, status_of, stream_error_event
 from app.guards import StrictJSONRoute, json_only
 from app.openapi import sse_content
@@ -25,6 +25,7 @@ from app.protocol.openai import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
 )
 from app.routes import ServiceDep, admit, authorized
 from app.streaming import DONE, answer, merged, sse
@@ -44,7 +45,7 @@ def usage(n_prompt: int, n_new: int, cached: int = 0) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def total_usage(results: dict[int, list[TokenOut]], plan: Plan) -> dict:
+def total_usage(results: dict[int, list[PromptOut | TokenOut]], plan: Plan) -> dict:
     """Prompt tokens once per prompt (as OpenAI counts them), completion tokens over all choices; cached tokens
     (reused from the prefix cache) once per prompt too, as its first choice found them."""
     n_prompt = sum(len(p.ids) for p in plan.prompts)
@@ -85,8 +86,43 @@ class Reply:
 
 
 # -------------------------------------------------------------------------------------- completions
-def completion_logprobs(tokens: list[TokenOut], offset: int) -> dict:
-    lp = {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": []}
+def prompt_entries(tokens: list[PromptToken], top_n: int, lp: dict | None = None) -> dict:
+    """The echoed prompt's entries of choices[].logprobs (as vLLM: the first token's logprob and top_logprobs
+    are null; top_logprobs holds the token itself and the top_n most likely), offsets from 0."""
+    lp = lp or {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": []}
+    offset = 0
+    for t in tokens:
+        lp["tokens"].append(t.text)
+        lp["token_logprobs"].append(t.logprob)
+        lp["text_offset"].append(offset)
+        offset += len(t.text)
+        if t.logprob is None:
+            lp["top_logprobs"].append(None)
+            continue
+        top = {t.text: t.logprob}
+        for _, s, v in (t.top or [])[:top_n]:
+            top[s] = max(v, top.get(s, float("-inf")))
+        lp["top_logprobs"].append(top)
+    return lp
+
+
+def vllm_prompt_logprobs(tokens: list[PromptToken], top_n: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a completion choice: per prompt token {token id: {logprob, rank,
+    decoded_token}} for the token itself and its top_n alternatives; null for the first token."""
+    out: list[dict | None] = []
+    for t in tokens:
+        if t.logprob is None:
+            out.append(None)
+            continue
+        entry = {str(t.id): {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.text}}
+        for rank, (i, s, v) in enumerate((t.top or [])[:top_n], 1):
+            entry.setdefault(str(i), {"logprob": v, "rank": rank, "decoded_token": s})
+        out.append(entry)
+    return out
+
+
+def completion_logprobs(tokens: list[TokenOut], offset: int, lp: dict | None = None) -> dict:
+    lp = lp or {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": []}
     for t in tokens:
         lp["tokens"].append(t.text)
         lp["token_logprobs"].append(t.logprob)
@@ -118,11 +154,20 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
         return results
     choices = []
     for index in sorted(results):
-        tokens = results[index]
+        items = results[index]
+        prompt = items[0] if isinstance(items[0], PromptOut) else None
+        tokens = [t for t in items if isinstance(t, TokenOut)]
+        fin = items[-1].finished
         prefix = prompt_of[index] if plan.return_full_text else ""
-        choices.append({"index": index, "text": prefix + tokens[-1].finished.text,
-                        "logprobs": completion_logprobs(tokens, len(prefix)) if plan.details else None,
-                        "finish_reason": finish(tokens[-1].finished.finish_reason)})
+        logprobs = None
+        if plan.details:
+            lp = prompt_entries(prompt.tokens, plan.top_n) if plan.echo_logprobs and prompt else None
+            logprobs = completion_logprobs(tokens, len(prefix), lp)
+        choice = {"index": index, "text": prefix + fin.text, "logprobs": logprobs,
+                  "finish_reason": finish(fin.finish_reason)}
+        if plan.vllm_prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt.tokens if prompt else [], plan.vllm_prompt_logprobs)
+        choices.append(choice)
     return JSONResponse(reply.body(choices, usage=total_usage(results, plan)))
 
 
@@ -134,16 +179,31 @@ async def completion_events(reply: Reply, reqs: list[tuple[int, RequestState]], 
         return reply.chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
 
     offsets = {index: 0 for index, _ in reqs}
-    if plan.return_full_text:
+    if plan.return_full_text and not plan.echo_logprobs:  # else the echo waits for the prompt's log-probabilities
         for index, _ in reqs:
             yield chunk(index, prompt_of[index], None, None)
             offsets[index] = len(prompt_of[index])
-    done: dict[int, list[TokenOut]] = {}
+    done: dict[int, list[PromptOut | TokenOut]] = {}
     async for index, item in merged(reqs):
         if isinstance(item, Failed):
             for event in reply.failed(item):
                 yield event
             return
+        if isinstance(item, PromptOut):  # the prompt's entries come first, in one chunk
+            fin = item.finished
+            text, lp = "", None
+            if plan.echo_logprobs:
+                text, lp = prompt_of[index], prompt_entries(item.tokens, plan.top_n)
+                offsets[index] = len(text)
+            choice = {"index": index, "text": text, "logprobs": lp,
+                      "finish_reason": finish(fin.finish_reason) if fin else None}
+            if plan.vllm_prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(item.tokens, plan.vllm_prompt_logprobs)
+            if text or fin or plan.vllm_prompt_logprobs is not None:
+                yield reply.chunk(choice)
+            if fin is not None:
+                done[index] = [item]
+            continue
         lp = None
         if plan.details:
             lp = completion_logprobs([item], offsets[index])
@@ -250,8 +310,24 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep) -> dict:
         text = body.prompt
     else:
         raise invalid("prompt", "is required (or messages)")
+    # add_special_tokens (vLLM's, default true) adds nothing here: like GPT-2's, these tokenizers add no BOS/EOS
     ids = service.tokenizer.encode(text) if text else []
     return {"count": len(ids), "max_model_len": service.limits.block_size, "tokens": ids}
+
+
+@router.get("/tokenizer_info", summary="The tokenizer's class, special tokens and chat template (vLLM)",
+            response_model=TokenizerInfo, responses=error_responses(401, 503, openai=True))
+async def tokenizer_info(service: ServiceDep) -> dict:
+    service.check_open()
+    tok = service.tokenizer
+    eos = service.eos_text() or None
+    template = service.chat_template
+    # the same configuration model.export_hf writes into tokenizer_config.json
+    return {"tokenizer_class": "GPT2Tokenizer", "eos_token": eos, "bos_token": eos, "unk_token": eos,
+            "pad_token": None, "chat_template": template.source if template is not None else None,
+            "model_max_length": service.limits.block_size, "add_bos_token": False, "add_prefix_space": False,
+            "clean_up_tokenization_spaces": False, "vocab_size": tok.vocab_size, "eos_token_id": tok.eot_id,
+            "bos_token_id": tok.eot_id}
 
 
 @router.post("/detokenize", summary="Text of token ids (vLLM)", response_model=DetokenizeResponse,

@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.engine.output_processor import Failed, RequestState, TokenOut
+from app.engine.output_processor import Failed, PromptOut, RequestState, TokenOut
 from app.errors import error_responses, error_type_of, status_of, stream_error_event
 from app.guards import StrictJSONRoute, json_only
 from app.openapi import sse_content
-from app.protocol.tgi import CompatRequest, GenerateResponse, TGIRequest
+from app.protocol.tgi import CompatRequest, GenerateResponse, StreamRequest, TGIRequest
 from app.routes import ServiceDep, admit, authorized
 from app.service import Service
 from app.streaming import answer, sse
@@ -32,13 +32,14 @@ def top_json(t: TokenOut) -> list[dict]:
     return [{"id": i, "text": s, "logprob": lp, "special": False} for i, s, lp in (t.top or [])]
 
 
-def details(plan: Plan, tokens: list[TokenOut], stream: bool) -> dict:
+def details(plan: Plan, tokens: list[TokenOut], stream: bool, prompt: PromptOut | None = None) -> dict:
     fin = tokens[-1].finished
     d = {"finish_reason": fin.finish_reason.value, "generated_tokens": fin.generated_tokens,
          "seed": fin.seed if plan.sampling else None, "input_length": fin.prompt_tokens,
          "prompt_tokens": fin.prompt_tokens}
     if not stream:
-        d["prefill"] = []
+        d["prefill"] = ([{"id": t.id, "text": t.text, "logprob": t.logprob} for t in prompt.tokens]
+                        if prompt is not None else [])
         d["tokens"] = [token_json(t) for t in tokens]
         if plan.top_n:
             d["top_tokens"] = [top_json(t) for t in tokens]
@@ -71,10 +72,12 @@ async def run(service: Service, request: Request, body: TGIRequest, stream: bool
                            if plan.stream else None, service.settings.sse_ping_s)
     if isinstance(results, Response):
         return results
-    tokens = results[0]
+    items = results[0]
+    prompt = items[0] if isinstance(items[0], PromptOut) else None
+    tokens = [t for t in items if isinstance(t, TokenOut)]
     result = {"generated_text": prefix + tokens[-1].finished.text}
     if plan.details:
-        result["details"] = details(plan, tokens, stream=False)
+        result["details"] = details(plan, tokens, stream=False, prompt=prompt)
     return JSONResponse([result] if as_list else result)
 
 
@@ -86,7 +89,7 @@ async def generate(body: TGIRequest, request: Request, service: ServiceDep) -> R
 
 @router.post("/generate_stream", summary="Generate text as server-sent events, one per token (TGI)",
              responses={200: {"content": SSE}, **ERRORS}, response_class=Response)
-async def generate_stream(body: TGIRequest, request: Request, service: ServiceDep) -> Response:
+async def generate_stream(body: StreamRequest, request: Request, service: ServiceDep) -> Response:
     return await run(service, request, body, True, as_list=False)
 
 

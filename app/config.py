@@ -53,7 +53,10 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1_000_000, ge=1024, description="request bodies above this get 413")
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="comma-separated allowed origins ('*' for any); empty: no CORS")
-    prefill_chunk: int = Field(128, ge=1, description="prompt tokens prefilled per engine step")
+    prefill_chunk: int = Field(128, ge=1, description="prompt tokens prefilled per engine step while requests "
+                               "decode (they wait at most one chunk between tokens)")
+    idle_prefill_chunk: int = Field(2048, ge=1, description="prompt tokens prefilled per engine step while no "
+                                    "request decodes (nobody waits; a long prompt in one pass reads the weights once)")
     prefix_cache: bool = Field(True, description="reuse the KV cache of a prompt prefix that a slot already holds "
                                "(a conversation's earlier turns, a shared system prompt); off: every prompt is "
                                "prefilled from scratch")

@@ -206,7 +206,7 @@ def determinism(checkpoint: Path, conversations: int = 6, turns: int = 5, new: i
     tok = ck.tokenizer
 
     def run(on: bool) -> list[list[Any]]:
-        # as many slots as conversations: more conversations cycling through fewer slots is LRU's worst case (none reused)
+        # as many slots as conversations: more conversations cycling through fewer slots is LRU's worst case
         core = EngineCore(ck.model, n_slots=conversations, vocab_size=tok.vocab_size, eos_id=None, prefill_chunk=128,
                           prefix_cache=on)
         rng = random.Random(0)

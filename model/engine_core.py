@@ -45,7 +45,7 @@ class EngineCore:
     def __init__(self, model: GPT, *, n_slots: int, vocab_size: int, eos_id: int | None = None,
                  max_len: int | None = None, prefill_chunk: int | None = None,
                  cuda_graphs: bool | None = None, pad_vocab: bool = True, prefix_cache: bool = False,
-                 min_prefix: int = 16) -> None:
+                 min_prefix: int = 16, idle_prefill_chunk: int | None = None) -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -56,7 +56,8 @@ class EngineCore:
         if pad_vocab:  # the sampler then reads the logits in place, as whole blocks (a server owns its model;
             model.pad_vocab(self.sampler.padded)  # the library leaves a caller's model as it is: it may train on)
         # prefix caching (model.prefix_cache): off here; the server turns it on (GPT_PREFIX_CACHE)
-        self.scheduler = Scheduler(n_slots, prefill_chunk, eos_id, prefix_cache=prefix_cache, min_prefix=min_prefix)
+        self.scheduler = Scheduler(n_slots, prefill_chunk, eos_id, prefix_cache=prefix_cache, min_prefix=min_prefix,
+                                   idle_prefill_chunk=idle_prefill_chunk)
         # decode steps from CUDA graphs (model.cuda_graphs): on by default on CUDA, captured at warm-up
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self._graphed = None

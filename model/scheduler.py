@@ -8,7 +8,9 @@ One step, as vLLM V1's `EngineCore.step` runs it: `schedule(now)` → the core e
 - Admission: waiting requests (FIFO) take free slots; a slot is reset and the request's sampling state
   written there (`("admit", slot, request)`).
 - Prefill: a budget of `prefill_chunk` prompt tokens per step, oldest admitted first. A long prompt takes
-  several steps, so running streams wait at most one chunk between tokens. Whole prompts of equal length
+  several steps, so running streams wait at most one chunk between tokens. With no request decoding nobody
+  waits for a token, so the budget is `idle_prefill_chunk` (larger: a long prompt in one pass reads the weights
+  once, not once per chunk). Whole prompts of equal length
   that fit the budget together go in one forward pass (one read of the weights for all of them).
 - Decode: every decoding request, one token each, in slots 0..n-1: the step reads the cache and the
   sampler's state through views, never a gather.
@@ -134,7 +136,7 @@ class Step:
 class Scheduler:
     def __init__(self, n_slots: int, prefill_chunk: int | None = None, eos_id: int | None = None, *,
                  prefix_cache: bool = False, min_prefix: int = DEFAULT_BLOCK,
-                 prefix_block: int = DEFAULT_BLOCK) -> None:
+                 prefix_block: int = DEFAULT_BLOCK, idle_prefill_chunk: int | None = None) -> None:
         if n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -143,6 +145,9 @@ class Scheduler:
             raise ValueError(f"min_prefix must be >= 1, got {min_prefix}")
         self.n_slots = n_slots
         self.prefill_chunk = prefill_chunk  # None: no budget (every admitted prompt in one step)
+        # the budget while nothing decodes (None: prefill_chunk)
+        self.idle_prefill_chunk = max(idle_prefill_chunk, prefill_chunk) if idle_prefill_chunk and prefill_chunk \
+            else prefill_chunk
         self.eos_id = eos_id
         self.waiting: deque[Running] = deque()
         self.prefilling: list[Running] = []  # admission order
@@ -289,7 +294,8 @@ class Scheduler:
         return ended
 
     def _plan_prefill(self, step: Step) -> None:
-        budget = self.prefill_chunk if self.prefill_chunk is not None else math.inf
+        chunk = self.prefill_chunk if self.decoding else self.idle_prefill_chunk
+        budget = chunk if chunk is not None else math.inf
         pending = self.prefilling
         i = 0
         while i < len(pending) and budget > 0:

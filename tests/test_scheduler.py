@@ -427,3 +427,13 @@ def test_a_request_scoring_its_prompt_computes_all_of_it_but_leaves_it_cached():
     s.add(preq("next", p + [1, 2, 3], max_new=1))
     step = s.schedule(0.0)
     assert step.prefills[0].start == 22  # the scored prompt is reused by the next one
+
+
+def test_with_nothing_decoding_a_long_prompt_goes_in_one_pass():
+    s = Scheduler(4, prefill_chunk=8, eos_id=EOS, idle_prefill_chunk=64)
+    s.add(req("long", 40, max_new=5))
+    step, _ = run_step(s)
+    assert [(c.start, c.n) for c in step.prefills] == [(0, 40)]  # nobody waits for a token: the idle budget
+    s.add(req("next", 40, max_new=5))
+    step, _ = run_step(s)
+    assert [(c.start, c.n) for c in step.prefills] == [(0, 8)] and len(step.decode) == 1  # "long" decodes: 8

@@ -50,6 +50,7 @@ class CoreConfig:
     max_batch_size: int | None = None
     kv_cache_memory_fraction: float = 0.5
     prefill_chunk: int = 128
+    idle_prefill_chunk: int = 2048
     prefix_cache: bool = True
     prefix_cache_min_tokens: int = 16
     warmup: bool = True
@@ -61,7 +62,8 @@ class CoreConfig:
         return cls(checkpoint=str(s.checkpoint), n_fronts=s.api_servers, device=s.device, dtype=s.dtype,
                    torch_threads=s.torch_threads, max_batch_size=s.max_batch_size,
                    kv_cache_memory_fraction=s.kv_cache_memory_fraction,
-                   prefill_chunk=s.prefill_chunk, prefix_cache=s.prefix_cache,
+                   prefill_chunk=s.prefill_chunk, idle_prefill_chunk=s.idle_prefill_chunk,
+                   prefix_cache=s.prefix_cache,
                    prefix_cache_min_tokens=s.prefix_cache_min_tokens, warmup=s.warmup, cuda_graphs=s.cuda_graphs,
                    log_level=s.log_level)
 
@@ -110,7 +112,8 @@ def build_core(cfg: CoreConfig, loaded=None):
     n_params = ckpt.model.num_params()
     try:
         core = EngineCore(ckpt.model, n_slots=slots, vocab_size=ckpt.tokenizer.vocab_size,
-                          eos_id=ckpt.tokenizer.eot_id, prefill_chunk=cfg.prefill_chunk, cuda_graphs=cfg.cuda_graphs,
+                          eos_id=ckpt.tokenizer.eot_id, prefill_chunk=cfg.prefill_chunk,
+                          idle_prefill_chunk=cfg.idle_prefill_chunk, cuda_graphs=cfg.cuda_graphs,
                           prefix_cache=cfg.prefix_cache, min_prefix=cfg.prefix_cache_min_tokens)
     except (RuntimeError, ValueError) as e:  # e.g. the KV cache does not fit in memory
         raise StartupError(f"cannot allocate the KV cache ({slots} slots x {block} tokens): "

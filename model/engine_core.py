@@ -12,6 +12,13 @@ its engine thread) reads the outputs, detokenizes them and calls `abort` when a 
 The sampling state of every slot lives on the model's device (`model.sampling.Sampler`), and the noise of each
 token is a function of (seed, position, token id), so a seeded or greedy request gives the same tokens alone or
 batched.
+
+Structured output (model/structured_output.py): a request with a grammar (`EngineRequest.structured`; the core
+needs the `tokenizer` then) gets a matcher when it is added. In a step where some sampled request has one, the
+masks of those rows are filled once, after the step's first forward pass is launched (on CUDA the host work
+overlaps it), copied to the device once, and applied by the sampler; after the draws each matcher takes its
+request's token, and a request whose grammar is complete finishes (FinishReason.STOP, or EOS when it took
+<|endoftext|>). A step with no constrained request does none of this.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from model.gpt import GPT
 from model.kv_cache import KVCache
 from model.sampling import Sampler, SamplingParams
 from model.scheduler import Scheduler, Step
+from model.structured_output import Grammars, Matchers
 
 log = logging.getLogger("model.engine_core")
 
@@ -33,7 +41,7 @@ log = logging.getLogger("model.engine_core")
 class EngineCore:
     def __init__(self, model: GPT, *, n_slots: int, vocab_size: int, eos_id: int | None = None,
                  max_len: int | None = None, prefill_chunk: int | None = None,
-                 cuda_graphs: bool | None = None, pad_vocab: bool = True) -> None:
+                 cuda_graphs: bool | None = None, pad_vocab: bool = True, tokenizer=None) -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -44,6 +52,8 @@ class EngineCore:
         if pad_vocab:  # the sampler then reads the logits in place, as whole blocks (a server owns its model;
             model.pad_vocab(self.sampler.padded)  # the library leaves a caller's model as it is: it may train on)
         self.scheduler = Scheduler(n_slots, prefill_chunk, eos_id)
+        self.tokenizer = tokenizer  # for grammars (structured output); None: requests with one are refused
+        self._matchers: Matchers | None = None  # made with the first constrained request
         # decode steps from CUDA graphs (model.cuda_graphs): on by default on CUDA, captured at warm-up
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self._graphed = None
@@ -64,21 +74,47 @@ class EngineCore:
         if n + request.params.max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({request.params.max_new_tokens}) exceeds the "
                              f"engine's context of {self.max_len} tokens")
-        self.scheduler.add(request)
+        if request.structured is not None:
+            self.matchers.add(request.request_id, request.structured)  # GrammarError (a ValueError): refused
+        try:
+            self.scheduler.add(request)
+        except ValueError:
+            if request.structured is not None and request.request_id not in self.scheduler.by_id:
+                self._matchers.drop(request.request_id)
+            raise
+
+    @property
+    def matchers(self) -> Matchers:
+        if self._matchers is None:
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: it cannot constrain output to a grammar")
+            self._matchers = Matchers(Grammars.for_tokenizer(self.tokenizer), self.n_slots, self.device)
+        return self._matchers
 
     def abort(self, request_ids) -> None:
         self.scheduler.abort(request_ids)
+        if self._matchers is not None:
+            for rid in request_ids:
+                self._matchers.drop(rid)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def expire(self) -> list[RequestOutput]:
         """End requests past their deadline without stepping (a paused or idle loop still enforces them)."""
-        return self.scheduler.expire(time.monotonic())
+        return self._ended(self.scheduler.expire(time.monotonic()))
 
     def shutdown(self, message: str = "the server shut down before the request finished") -> list[RequestOutput]:
         """End every request still here with ErrorKind.SHUTDOWN."""
-        return self.scheduler.end_all(ErrorKind.SHUTDOWN, message)
+        return self._ended(self.scheduler.end_all(ErrorKind.SHUTDOWN, message))
+
+    def _ended(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Drop the matchers of the requests these outputs end."""
+        if self._matchers is not None and self._matchers:
+            for out in outputs:
+                if out.done:
+                    self._matchers.drop(out.request_id)
+        return outputs
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -88,11 +124,12 @@ class EngineCore:
             draws = self._execute(step)
         except Exception as e:  # a failing forward (e.g. out of memory) fails its requests, not the engine
             log.exception("engine step failed")
-            return self.scheduler.fail_step(step, f"generation failed: {type(e).__name__}: {e}")
-        return self.scheduler.update(step, draws)
+            return self._ended(self.scheduler.fail_step(step, f"generation failed: {type(e).__name__}: {e}"))
+        return self._ended(self.scheduler.update(step, draws))
 
     def _execute(self, step: Step) -> list:
         self._apply(step.ops)
+        masks = _StepMasks(self._matchers, step) if self._matchers else None
         draws = []
         for chunk in step.prefills:
             slots = chunk.slots
@@ -104,7 +141,7 @@ class EngineCore:
             self.prefill_chunks += 1
             self.prompt_tokens += chunk.n * len(slots)
             if chunk.completes:
-                draws += self.sampler.step(logits, slots)
+                draws += self.sampler.step(logits, slots, masks.next(chunk.reqs) if masks else None)
         if step.decode:
             n = len(step.decode)
             self.max_batch_seen = max(self.max_batch_seen, n)
@@ -113,8 +150,10 @@ class EngineCore:
             else:
                 logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
             self.decode_steps += 1
-            draws += self.sampler.step(logits, range(n))
+            draws += self.sampler.step(logits, range(n), masks.next(step.decode) if masks else None)
         self.generated_tokens += len(draws)
+        if masks:
+            masks.advance(draws)
         return draws
 
     def _apply(self, ops) -> None:
@@ -122,7 +161,8 @@ class EngineCore:
             if op[0] == "admit":
                 _, slot, req = op
                 self.cache.reset(slot)
-                self.sampler.admit(slot, req.params, req.prompt, seed=req.seed, top_n=req.top_n)
+                self.sampler.admit(slot, req.params, req.prompt, seed=req.seed, top_n=req.top_n,
+                                   constrained=req.structured is not None)
             elif op[0] == "move":
                 self.cache.move(op[1], op[2])
                 self.sampler.move(op[1], op[2])
@@ -179,3 +219,36 @@ class EngineCore:
                 "max_batch_seen": self.max_batch_seen, "decode_steps": self.decode_steps,
                 "prefill_chunks": self.prefill_chunks, "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated_tokens, "cuda_graphs": self._graphed is not None}
+
+
+class _StepMasks:
+    """The grammar masks of one step: the constrained requests among those sampled, filled and copied to the
+    device once, at the first sampler call that needs them (after a forward pass is launched), then handed to
+    each sampler call as the rows of its constrained requests."""
+
+    def __init__(self, matchers: Matchers, step: Step) -> None:
+        self.matchers = matchers
+        self.sampled = step.sampled
+        self.ids = [r.id for r in self.sampled if r.id in matchers]
+        self.dev: torch.Tensor | None = None
+        self.at = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.ids)
+
+    def next(self, reqs) -> torch.Tensor | None:
+        k = sum(1 for r in reqs if r.id in self.matchers)
+        if not k:
+            return None
+        if self.dev is None:
+            self.dev = self.matchers.fill(self.ids)
+        rows = self.dev[self.at:self.at + k]
+        self.at += k
+        return rows
+
+    def advance(self, draws) -> None:
+        """Each constrained request's matcher takes its token; `stop` on the draws whose grammar is complete."""
+        for r, d in zip(self.sampled, draws):
+            if r.id in self.matchers:
+                ok, done = self.matchers.accept(r.id, d.token)
+                d.stop = done or not ok

@@ -28,6 +28,15 @@ class ErrorKind(StrEnum):
 
 
 @dataclass
+class StructuredSpec:
+    """A grammar the request's output must follow (model/structured_output.py compiles it). Plain data: it
+    travels to the core process inside EngineRequest."""
+
+    kind: str  # "json_schema" | "json_object" | "regex" | "grammar" (EBNF or Lark) | "choice"
+    value: str = ""  # the schema as JSON text, the regex, the grammar, or the choices as a JSON list
+
+
+@dataclass
 class EngineRequest:
     """One sequence to generate. `seed` is required: it was drawn once, where the request was validated."""
 
@@ -38,6 +47,7 @@ class EngineRequest:
     top_n: int = 0  # also report the top_n most likely tokens at each step
     arrival: float = 0.0  # time.monotonic() when the request arrived (the clock is shared by processes)
     deadline: float | None = None  # time.monotonic() past which it ends with ErrorKind.TIMEOUT
+    structured: StructuredSpec | None = None  # constrain the output to this grammar
 
 
 @dataclass
@@ -48,7 +58,7 @@ class RequestOutput:
     token_ids: list[int]
     logprobs: list[float]  # under the model's own distribution (raw logits), one per token
     top: list[list[tuple[int, float]]] | None = None  # per token: the top_n (id, logprob), when asked
-    finish: FinishReason | None = None  # LENGTH or EOS: the core is done with it
+    finish: FinishReason | None = None  # LENGTH, EOS, or STOP (its grammar is complete): the core is done
     error: ErrorKind | None = None  # set instead of tokens when the core ended it
     message: str = ""  # the error, in words
     queue_s: float | None = None  # on the first output: seconds from arrival to a KV-cache slot

@@ -143,6 +143,7 @@ class _Kind:
     presence_frequency: bool
     unit_temperature: bool
     top_n: int
+    constrained: bool = False  # a grammar masks its tokens (model/structured_output.py)
 
 
 @dataclass
@@ -164,6 +165,8 @@ class _Plan:
     presence_frequency: bool
     z_is_raw: bool  # no penalty, temperature 1 everywhere: processed logits == raw logits
     top_n: int
+    masked: bool = False  # some row is constrained: step() takes a bitmask for those rows
+    mask_rows: torch.Tensor | None = None  # their batch rows (None: every row is)
 
 
 @dataclass
@@ -173,6 +176,7 @@ class Draw:
     token: int
     logprob: float
     top: list[tuple[int, float]] | None = None  # the top_n most likely (id, logprob) under the raw distribution
+    stop: bool = False  # set by the engine core: the request's grammar is complete (structured output)
 
 
 class Sampler:
@@ -220,9 +224,11 @@ class Sampler:
         self.read_backs = 0  # device→host copies made (tests count them)
 
     # ------------------------------------------------------------------ slots
-    def admit(self, slot: int, params: SamplingParams, prompt: list[int], seed: int, top_n: int = 0) -> None:
+    def admit(self, slot: int, params: SamplingParams, prompt: list[int], seed: int, top_n: int = 0,
+              constrained: bool = False) -> None:
         """Write a request's parameters, seed and prompt into `slot` (the seed was drawn at validation).
         `top_n`: also report the top_n most likely tokens at every step (logprobs alternatives).
+        `constrained`: a grammar restricts its tokens; every step() then gives this slot's row of the bitmask.
         """
         n = len(prompt)
         if not 0 < n <= self.max_len:
@@ -248,7 +254,7 @@ class Sampler:
             greedy=greedy, top_k=top_k, top_p=not greedy and params.top_p < 1.0,
             repetition=params.repetition_penalty != 1.0,
             presence_frequency=params.presence_penalty != 0.0 or params.frequency_penalty != 0.0,
-            unit_temperature=greedy or params.temperature == 1.0, top_n=top_n)
+            unit_temperature=greedy or params.temperature == 1.0, top_n=top_n, constrained=constrained)
         self._plans.clear()
 
     def release(self, slot: int) -> None:
@@ -275,10 +281,14 @@ class Sampler:
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
-    def step(self, logits: torch.Tensor, slots: range | list[int]) -> list[Draw]:
-        """Pick one token per row of logits (B, ≥ vocab) for `slots`, record them, return them on the host."""
+    def step(self, logits: torch.Tensor, slots: range | list[int], bitmask: torch.Tensor | None = None) -> list[Draw]:
+        """Pick one token per row of logits (B, ≥ vocab) for `slots`, record them, return them on the host.
+        `bitmask`: on the device, the packed int32 masks (model/structured_output.py) of the constrained slots
+        among them, in slot order; required when some slot is constrained, else None."""
         plan = self._plan(slots)
-        token, logprob, accepted, top_ids, top_lp, ctx = self._sample(logits, plan)
+        if plan.masked != (bitmask is not None):
+            raise ValueError("a bitmask is required exactly when a slot is constrained")
+        token, logprob, accepted, top_ids, top_lp, ctx = self._sample(logits, plan, bitmask)
         parts = [token.double()[:, None], logprob.double()[:, None]]
         if accepted is not None:
             parts.append(accepted.double()[:, None])
@@ -323,6 +333,7 @@ class Sampler:
         greedy = [k.greedy for k in kinds]
         topk = [i for i, k in enumerate(kinds) if k.top_k]
         sampled = [i for i, k in enumerate(kinds) if not k.greedy and not k.top_k]
+        constrained = [i for i, k in enumerate(kinds) if k.constrained]
         return _Plan(
             n=n, rows=rows, index=index,
             greedy=torch.tensor(greedy, device=dev) if 0 < sum(greedy) < n else None,
@@ -333,9 +344,10 @@ class Sampler:
             repetition=any(k.repetition for k in kinds),
             presence_frequency=any(k.presence_frequency for k in kinds),
             z_is_raw=all(k.unit_temperature and not k.repetition and not k.presence_frequency for k in kinds),
-            top_n=max(k.top_n for k in kinds))
+            top_n=max(k.top_n for k in kinds), masked=bool(constrained),
+            mask_rows=torch.tensor(constrained, device=dev) if 0 < len(constrained) < n else None)
 
-    def _sample(self, logits: torch.Tensor, plan: _Plan):
+    def _sample(self, logits: torch.Tensor, plan: _Plan, bitmask: torch.Tensor | None = None):
         B, V, P, NB, BS = plan.n, self.vocab_size, self.padded, self.n_blocks, self.block
         if logits.size(0) != B or logits.size(1) < V:
             raise ValueError(f"logits {tuple(logits.shape)} for {B} slots and a vocabulary of {V}")
@@ -343,24 +355,36 @@ class Sampler:
         raw = logits[:, :V].float()  # a padded model vocabulary is never sampled
         inv_t = self.inv_temp[rows][:, None]
         penalized = plan.repetition or plan.presence_frequency
+        masked = bitmask is not None
+        mask_lse = None  # constrained rows: the raw normalizer, taken before the mask (logprobs stay raw)
+        if masked and not penalized:
+            mask_lse = torch.logsumexp(raw if plan.mask_rows is None else raw[plan.mask_rows], -1)
         if penalized:
             # z = penalized logits / temperature, in the workspace
             src = self._z[:B]
             src[:, :V].copy_(raw)
             self._penalize(src, plan)
+            if masked:  # penalties → grammar mask → temperature (→ top-k → top-p)
+                self._mask(src, plan, bitmask)
             if not plan.z_is_raw:
                 src[:, :V].mul_(inv_t)
             scale = None  # src already holds z
-        elif logits.size(1) >= P and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        elif (logits.size(1) >= P and logits.dtype == torch.float32 and logits.stride(1) == 1
+              and not (masked and plan.top_n)):
             # the model's vocabulary is padded to whole blocks (GPT.pad_vocab): its logits serve as they are,
-            # no copy; the padding columns become -inf in place
+            # no copy; the padding columns become -inf in place (and a constrained row's disallowed tokens: the
+            # token drawn is allowed, so its raw logit, all the logprob needs besides mask_lse, is intact)
             src = logits[:, :P]
             if P > V:
                 src[:, V:] = float("-inf")
+            if masked:
+                self._mask(src, plan, bitmask)
             scale = None if plan.z_is_raw else inv_t  # z = src · scale, never materialized
         else:
             src = self._z[:B]
             src[:, :V].copy_(raw)
+            if masked:
+                self._mask(src, plan, bitmask)
             scale = None if plan.z_is_raw else inv_t
         srcb = src.unflatten(1, (NB, BS))
         bmax = srcb.amax(-1)  # (B, NB)
@@ -380,6 +404,11 @@ class Sampler:
         total = bsum.sum(-1)  # (B,)
         if lse is None:
             lse = m[:, 0] + total.log()
+        if mask_lse is not None:  # the masked rows' lse above is under the mask: report the raw one
+            if plan.mask_rows is None:
+                lse = mask_lse
+            else:
+                lse = lse.index_copy(0, plan.mask_rows, mask_lse)
 
         seed_key = self.seed_key[rows]
         position = self.length[rows] - self.prompt_len[rows]  # index of the token being generated
@@ -418,7 +447,7 @@ class Sampler:
 
         top_ids = top_lp = None
         if plan.top_n:
-            if not penalized:  # src holds the raw logits
+            if not penalized and not masked:  # src holds the raw logits
                 rb, rbmax = srcb, bmax
             else:
                 self._tmp[:B, :V] = raw
@@ -523,6 +552,15 @@ class Sampler:
         lps = (raw[idx, ids] - lse[idx]).tolist()
         return list(zip(result, lps))
 
+    def _mask(self, z: torch.Tensor, plan: _Plan, bitmask: torch.Tensor) -> None:
+        """The grammar's mask on the constrained rows of z (B, padded): disallowed tokens become -inf."""
+        if plan.mask_rows is None:
+            apply_bitmask(z, bitmask, self.vocab_size)
+        else:
+            sub = z[plan.mask_rows]
+            apply_bitmask(sub, bitmask, self.vocab_size)
+            z[plan.mask_rows] = sub
+
     def _penalize(self, z: torch.Tensor, plan: _Plan) -> None:
         """Penalties on the raw logits in z (B, padded), sparse: over each row's history, not the vocabulary."""
         rows = plan.rows
@@ -547,3 +585,23 @@ class Sampler:
         self.length[rows] += 1
         self.last[rows] = token
 
+
+
+# ---------------------------------------------------------------------------------------------- grammar masks
+_BYTE_BANNED: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_bitmask(z: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:
+    """z (k, ≥ vocab_size) float: -inf where the packed int32 bitmask (k, ceil(V/32)) has a 0 bit (bit j of word i
+    is token 32·i + j: xgrammar's and llguidance's layout, model/structured_output.py).
+
+    The words are read as little-endian bytes (token t is bit t % 8 of byte t // 8) and expanded through a
+    256-entry table: one gather and one masked_fill over the rows, no 32-wide shifts."""
+    table = _BYTE_BANNED.get(z.device)
+    if table is None:
+        v = torch.arange(256, dtype=torch.int32)
+        table = _BYTE_BANNED[z.device] = (((v[:, None] >> torch.arange(8, dtype=torch.int32)) & 1) == 0).to(z.device)
+    k = bitmask.size(0)
+    by = bitmask.contiguous().view(torch.uint8).view(k, -1)[:, :(vocab_size + 7) // 8]
+    banned = table[by.long()].view(k, -1)[:, :vocab_size]  # (k, V) True where disallowed
+    z[:, :vocab_size].masked_fill_(banned, float("-inf"))

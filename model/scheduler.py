@@ -15,7 +15,8 @@ One step, as vLLM V1's `EngineCore.step` runs it: `schedule(now)` → the core e
 - Contiguity: a request whose prompt completes samples its first token, then takes slot n (moving there,
   or swapping with the prompt being prefilled there); a request that ends hands its slot to the last
   decoding one. Moves are recorded as ops, applied by the core in order before the next step computes.
-- Ends: EOS (when the request stops at EOS) or max_new_tokens, decided from the sampled token ids; a
+- Ends: EOS (when the request stops at EOS) or max_new_tokens, decided from the sampled token ids, or a grammar
+  that is complete (the core sets `stop` on the draw: FinishReason.STOP, or EOS if it took <|endoftext|>); a
   deadline passed (`ErrorKind.TIMEOUT`); `abort(ids)` from whoever reads the outputs (a stop string, a
   client gone) frees the slot with no output.
 """
@@ -174,8 +175,11 @@ class Scheduler:
             r.generated += 1
             params = r.request.params
             finish = None
-            if params.stop_at_eos and d.token == self.eos_id:
+            stop = getattr(d, "stop", False)  # its grammar is complete (model/structured_output.py)
+            if d.token == self.eos_id and (params.stop_at_eos or stop):
                 finish = FinishReason.EOS
+            elif stop:
+                finish = FinishReason.STOP
             elif r.generated >= params.max_new_tokens:
                 finish = FinishReason.LENGTH
             out = RequestOutput(r.id, [d.token], [d.logprob], [d.top] if r.request.top_n else None, finish)

@@ -30,7 +30,7 @@ from bench.common import CACHE, env_info, median, print_table, random_gpt2, set_
 # name → (schema, a document that satisfies it). Tests sample these too (tests/test_structured_output.py).
 SCHEMAS: dict[str, tuple[dict, Any]] = {
     "object": ({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                  "age": {"type": "integer"}},
+                                                  "age": {"type": "integer", "minimum": 0, "maximum": 150}},
                 "required": ["name", "age"], "additionalProperties": False},
                {"name": "Romeo", "age": 16}),
     "array": ({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},

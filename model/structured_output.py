@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -144,7 +145,10 @@ class Grammars:
                 return hit
         llg = _llg()
         grammar = grammar_text(spec)
-        template = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        try:
+            template = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        except ValueError as e:
+            raise GrammarError(_reason(str(e))) from None
         if template.is_error():
             raise GrammarError(_reason(template.get_error()))
         with self._cache_lock:
@@ -159,9 +163,10 @@ class Grammars:
 
 
 def _reason(error: str) -> str:
-    """The library's error on one line (it points into the grammar with extra lines)."""
-    lines = [s.strip() for s in error.strip().splitlines() if s.strip()]
-    return " ".join(lines[:3])[:500] if lines else "the grammar is invalid"
+    """The library's error on one line, without the lines that point into the text (carets, source echo)."""
+    lines = [ln.strip() for ln in error.strip().splitlines()]
+    lines = [ln for ln in lines if ln and set(ln) - set("^~ ") and not re.match(r"\d+ \|", ln)]
+    return " ".join(lines)[:500] if lines else "the grammar is invalid"
 
 
 class Matchers:

@@ -228,7 +228,7 @@ class Service:
         try:
             for index, prompt, params in plan.choices():
                 st = self.engine.add(prompt.ids, params, params.seed, top_n=plan.top_n,
-                                     timeout_s=self.settings.request_timeout_s)
+                                     timeout_s=self.settings.request_timeout_s, structured=plan.structured)
                 reqs.append((index, st))
         except EngineError as e:
             for _, r in reqs:

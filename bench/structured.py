@@ -20,12 +20,7 @@ Writes bench/results/<out>.json and prints tables.
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
 from typing import Any
-
-from bench.common import CACHE, env_info, median, print_table, random_gpt2, set_threads, write_result
 
 # name → (schema, a document that satisfies it). Tests sample these too (tests/test_structured_output.py).
 SCHEMAS: dict[str, tuple[dict, Any]] = {

@@ -228,9 +228,11 @@ def main() -> None:
             rows.append([r["library"], r["tokenizer"], "-", r["error"][:60], "", "", "", "", ""])
             continue
         for name, c in r["cases"].items():
-            rows.append([r["library"], r["tokenizer"], r["tokenizer_s"], name, c.get("compile_ms", c.get("error", "")[:60]),
-                         c.get("fill_us_mean", ""), c.get("fill_us_p50", ""), c.get("fill_us_p99", ""), c.get("ok", "")])
-    print_table(["library", "tokenizer", "tok_s", "case", "compile_ms", "fill_us_mean", "fill_us_p50", "fill_us_p99", "ok"], rows)
+            rows.append([r["library"], r["tokenizer"], r["tokenizer_s"], name,
+                         c.get("compile_ms", c.get("error", "")[:60]), c.get("fill_us_mean", ""),
+                         c.get("fill_us_p50", ""), c.get("fill_us_p99", ""), c.get("ok", "")])
+    print_table(["library", "tokenizer", "tok_s", "case", "compile_ms", "fill_us_mean", "fill_us_p50",
+                 "fill_us_p99", "ok"], rows)
     path = write_result(args.out, {**env_info(), "benchmark": "structured-libs", "versions": versions,
                                    "results": results})
     print(f"wrote {path}")

@@ -106,7 +106,8 @@ def build_core(cfg: CoreConfig, loaded=None):
     n_params = ckpt.model.num_params()
     try:
         core = EngineCore(ckpt.model, n_slots=slots, vocab_size=ckpt.tokenizer.vocab_size,
-                          eos_id=ckpt.tokenizer.eot_id, prefill_chunk=cfg.prefill_chunk, cuda_graphs=cfg.cuda_graphs)
+                          eos_id=ckpt.tokenizer.eot_id, prefill_chunk=cfg.prefill_chunk, cuda_graphs=cfg.cuda_graphs,
+                          tokenizer=ckpt.tokenizer)  # structured output compiles grammars against it
     except (RuntimeError, ValueError) as e:  # e.g. the KV cache does not fit in memory
         raise StartupError(f"cannot allocate the KV cache ({slots} slots x {block} tokens): "
                            f"{type(e).__name__}: {e}") from None

@@ -22,7 +22,8 @@ with `python -m bench.structured_libs` (bench/results/structured-libs.json; 1 th
   0.46 ms), xgrammar 219 µs (p50 2 µs, but 2-3.6 ms per token inside strings with a maxLength, the strings a
   small model needs bounded). With GPT-2's vocabulary and 64 constrained rows the mask is the whole cost, so
   the bounded worst case decided it; on the 2,048-token vocabulary both are ~10 µs.
-The library's masks are computed without the GIL, in parallel over the batch (`LLExecutor`).
+The library's masks are computed without the GIL, in parallel over the batch (`LLExecutor`) where there are
+cores to spare.
 
 The mask is the packed int32 bitmask (bit j of word i allows token 32·i + j), one row per constrained request,
 filled on the host and applied on the model's device by `model.sampling.Sampler` (`apply_bitmask`) after the
@@ -173,9 +174,10 @@ def _reason(error: str) -> str:
 class Matchers:
     """The engine core's side: one matcher per constrained request, and the host bitmask of a step.
 
-    `fill(ids)` writes one mask row per request (in that order, in parallel) into a host buffer and returns
-    them on the device after one host→device copy (from pinned memory on CUDA: asynchronous, so the fill
-    overlaps nothing but the copy does not block). `accept(id, token)` advances a request's matcher."""
+    `fill(ids)` writes one mask row per request (in that order; in parallel with ≥ 8 cores) into a host buffer
+    and returns them on the device after one host→device copy (from pinned memory on CUDA: asynchronous; the
+    core fills after launching the step's forward pass, so on a GPU the fill overlaps it).
+    `accept(id, token)` advances a request's matcher."""
 
     def __init__(self, grammars: Grammars, n_slots: int, device: torch.device | str = "cpu",
                  threads: int | None = None) -> None:

@@ -229,7 +229,7 @@ class Service:
             for index, prompt, params in plan.choices():
                 st = self.engine.add(prompt.ids, params, params.seed, top_n=plan.top_n,
                                      timeout_s=self.settings.request_timeout_s,
-                                     prompt_logprobs=plan.prompt_logprobs)
+                                     prompt_logprobs=plan.prompt_logprobs, structured=plan.structured)
                 reqs.append((index, st))
         except EngineError as e:
             for _, r in reqs:

@@ -4,19 +4,24 @@ token ids, `SamplingParams`, and what the response must echo — or an `ApiError
 What pydantic cannot know is checked here, against the loaded model and the server's limits: prompt
 length in tokens, room left in the context for the requested tokens, stop sequences, alternatives per
 token, token ids within the vocabulary (prompts, logit_bias, stop_token_ids), how many choices one request
-may hold, and the combinations the engine cannot run (max_tokens 0 without echo, decoder_input_details while
-streaming).
+may hold, the combinations the engine cannot run (max_tokens 0 without echo, decoder_input_details while
+streaming), and structured output: the grammar of `response_format` / `structured_outputs` / TGI's `grammar` is
+compiled here (model/structured_output.py, cached by its text), so a schema or regex the library refuses is a 4xx
+naming the field, with its reason.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 
 from app.chat_template import ChatTemplate, ChatTemplateError
 from app.errors import invalid
 from app.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from app.protocol.tgi import TGIParameters, TGIRequest
+from model.engine_io import StructuredSpec
 from model.sampling import GREEDY_TEMPERATURE, SamplingParams, draw_seed
+from model.structured_output import GrammarError, Grammars
 from model.tokenizer import Tokenizer
 
 
@@ -56,6 +61,7 @@ class Plan:
     prompt_logprobs: int | None = None
     vllm_prompt_logprobs: int | None = None  # OpenAI completions' prompt_logprobs field (vLLM's shape in choices)
     decoder_input_details: bool = False  # TGI: details.prefill
+    structured: StructuredSpec | None = None  # the grammar every choice's output follows
 
     @property
     def echo_logprobs(self) -> bool:
@@ -168,6 +174,60 @@ def check_choices(n_prompts: int, n: int, limits: Limits, field_name: str) -> No
                                   f"most {limits.max_choices} at once")
 
 
+def check_structured(spec: StructuredSpec | None, tokenizer: Tokenizer, field_name: str) -> StructuredSpec | None:
+    """Compile the grammar now (cached by its text; the engine compiles it again from its own cache)."""
+    if spec is not None:
+        try:
+            Grammars.for_tokenizer(tokenizer).compile(spec)
+        except GrammarError as e:
+            raise invalid(field_name, str(e)) from None
+    return spec
+
+
+def schema_text(value, field_name: str) -> str:
+    """A JSON schema given as an object or as JSON text → its text."""
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except json.JSONDecodeError as e:
+            raise invalid(field_name, f"the schema is not valid JSON: {e}") from None
+        return value
+    return json.dumps(value)
+
+
+def openai_structured(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer) -> StructuredSpec | None:
+    """OpenAI's `response_format` or vLLM's `structured_outputs` (one of them) → a compiled spec, or None."""
+    rf, so = req.response_format, req.structured_outputs
+    if rf is not None and rf.type != "text":
+        if so is not None:
+            raise invalid("structured_outputs", "send either response_format or structured_outputs, not both")
+        if rf.type == "json_object":
+            return check_structured(StructuredSpec("json_object"), tokenizer, "response_format")
+        if rf.json_schema is None:
+            raise invalid("response_format.json_schema", "is required with type json_schema")
+        return check_structured(StructuredSpec("json_schema", schema_text(rf.json_schema.schema_, "response_format")),
+                                tokenizer, "response_format.json_schema.schema")
+    if so is None:
+        return None
+    given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(so, k) is not None]
+    given += ["json_object"] if so.json_object else []
+    if len(given) != 1:
+        names = ", ".join(k.rstrip("_") for k in given) or "none"
+        raise invalid("structured_outputs", f"give exactly one of json, regex, choice, grammar, json_object "
+                                            f"(got {names})")
+    key = given[0]
+    where = f"structured_outputs.{key.rstrip('_')}"
+    if key == "json_":
+        spec = StructuredSpec("json_schema", schema_text(so.json_, where))
+    elif key == "choice":
+        spec = StructuredSpec("choice", json.dumps(so.choice))
+    elif key == "json_object":
+        spec = StructuredSpec("json_object")
+    else:
+        spec = StructuredSpec(key, getattr(so, key))
+    return check_structured(spec, tokenizer, where)
+
+
 # ---------------------------------------------------------------------------------------------- TGI
 def plan_tgi(req: TGIRequest, tokenizer: Tokenizer, limits: Limits, stream: bool | None = None) -> Plan:
     """TGI's /generate body → Plan. `stream` forces the mode (/generate_stream); else the body's `stream`."""
@@ -177,6 +237,15 @@ def plan_tgi(req: TGIRequest, tokenizer: Tokenizer, limits: Limits, stream: bool
         raise invalid("parameters.decoder_input_details", "is not supported when streaming tokens")
     stop = check_stop(p.stop, "parameters.stop", limits)
     top_n = check_top_n(p.top_n_tokens, "parameters.top_n_tokens", limits)
+    structured = None
+    if p.grammar is not None:
+        if p.grammar.type == "json":
+            structured = StructuredSpec("json_schema", schema_text(p.grammar.value, "parameters.grammar"))
+        elif not isinstance(p.grammar.value, str):
+            raise invalid("parameters.grammar", "a regex grammar's value must be a string")
+        else:
+            structured = StructuredSpec("regex", p.grammar.value)
+        check_structured(structured, tokenizer, "parameters.grammar")
     ids = encode(tokenizer, req.inputs, "inputs")
     if p.truncate is not None:
         ids = ids[-p.truncate:]
@@ -199,7 +268,7 @@ def plan_tgi(req: TGIRequest, tokenizer: Tokenizer, limits: Limits, stream: bool
     return Plan([Prompt(ids, req.inputs)], params, sampling, top_n=top_n, stream=stream,
                 details=bool(p.details or p.decoder_input_details), return_full_text=bool(p.return_full_text),
                 prompt_logprobs=0 if p.decoder_input_details else None,
-                decoder_input_details=bool(p.decoder_input_details))
+                decoder_input_details=bool(p.decoder_input_details), structured=structured)
 
 
 # ---------------------------------------------------------------------------------------------- OpenAI
@@ -228,6 +297,7 @@ def plan_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Limits
     if req.prompt_logprobs is not None:
         vllm_prompt_logprobs = check_top_n(req.prompt_logprobs, "prompt_logprobs", limits)
         prompt_logprobs = max(prompt_logprobs or 0, vllm_prompt_logprobs)
+    structured = openai_structured(req, tokenizer)
     prompt = req.prompt
     if isinstance(prompt, str):
         prompts = [Prompt(encode(tokenizer, prompt, "prompt"), prompt)]
@@ -251,7 +321,7 @@ def plan_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Limits
                 n=n, top_n=top_n,
                 stream=bool(req.stream), details=req.logprobs is not None, return_full_text=bool(req.echo),
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                prompt_logprobs=prompt_logprobs, vllm_prompt_logprobs=vllm_prompt_logprobs)
+                prompt_logprobs=prompt_logprobs, vllm_prompt_logprobs=vllm_prompt_logprobs, structured=structured)
 
 
 def message_text(m: ChatMessage) -> str:
@@ -271,6 +341,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits, 
     stop = check_stop(req.stop, "stop", limits) + [s for s in template.stop if s not in (req.stop or [])]
     top_n = check_top_n(req.top_logprobs, "top_logprobs", limits)
     top_n = top_n if req.logprobs else 0  # top_logprobs counts only with logprobs (OpenAI's rule)
+    structured = openai_structured(req, tokenizer)
     text = render_chat(req.messages, template)
     ids = encode(tokenizer, text, "messages")
     n = req.n or 1
@@ -285,4 +356,4 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits, 
                 sampling=temperature >= GREEDY_TEMPERATURE,
                 n=n, top_n=top_n,
                 stream=bool(req.stream), details=bool(req.logprobs),
-                include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                include_usage=bool(req.stream_options and req.stream_options.include_usage), structured=structured)

@@ -18,6 +18,13 @@ final hidden states go through the output head a piece of rows at a time (`PROMP
 most), so no prompt × vocabulary tensor ever exists (vLLM #5907 and #38830 are out-of-memory reports of that).
 Each piece leaves only the token's log-probability, its rank and the top-n alternatives on the device; they
 are read back once, with the request's first output.
+
+Structured output (model/structured_output.py): a request with a grammar (`EngineRequest.structured`; the core
+needs the `tokenizer` then) gets a matcher when it is added. In a step where some sampled request has one, the
+masks of those rows are filled once, after the step's first forward pass is launched (on CUDA the host work
+overlaps it), copied to the device once, and applied by the sampler; after the draws each matcher takes its
+request's token, and a request whose grammar is complete finishes (FinishReason.STOP, or EOS when it took
+<|endoftext|>). A step with no constrained request does none of this.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from model.gpt import GPT
 from model.kv_cache import KVCache
 from model.sampling import Sampler, SamplingParams
 from model.scheduler import Scheduler, Step
+from model.structured_output import Grammars, Matchers
 
 log = logging.getLogger("model.engine_core")
 
@@ -45,7 +53,7 @@ class EngineCore:
     def __init__(self, model: GPT, *, n_slots: int, vocab_size: int, eos_id: int | None = None,
                  max_len: int | None = None, prefill_chunk: int | None = None,
                  cuda_graphs: bool | None = None, pad_vocab: bool = True, prefix_cache: bool = False,
-                 min_prefix: int = 16, idle_prefill_chunk: int | None = None) -> None:
+                 min_prefix: int = 16, idle_prefill_chunk: int | None = None, tokenizer=None) -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -58,6 +66,8 @@ class EngineCore:
         # prefix caching (model.prefix_cache): off here; the server turns it on (GPT_PREFIX_CACHE)
         self.scheduler = Scheduler(n_slots, prefill_chunk, eos_id, prefix_cache=prefix_cache, min_prefix=min_prefix,
                                    idle_prefill_chunk=idle_prefill_chunk)
+        self.tokenizer = tokenizer  # for grammars (structured output); None: requests with one are refused
+        self._matchers: Matchers | None = None  # made with the first constrained request
         # decode steps from CUDA graphs (model.cuda_graphs): on by default on CUDA, captured at warm-up
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self._graphed = None
@@ -90,25 +100,51 @@ class EngineCore:
         for name, ids in (("logit_bias", list(p.logit_bias)), ("stop_token_ids", p.stop_token_ids)):
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise ValueError(f"{name}: token ids must be in [0, {self.vocab_size})")
-        self.scheduler.add(request)
+        if request.structured is not None:
+            self.matchers.add(request.request_id, request.structured)  # GrammarError (a ValueError): refused
+        try:
+            self.scheduler.add(request)
+        except ValueError:
+            if request.structured is not None and request.request_id not in self.scheduler.by_id:
+                self._matchers.drop(request.request_id)
+            raise
         if request.prompt_logprobs is not None:
             self._scores[request.request_id] = (min(request.prompt_logprobs, self.vocab_size), [])
+
+    @property
+    def matchers(self) -> Matchers:
+        if self._matchers is None:
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: it cannot constrain output to a grammar")
+            self._matchers = Matchers(Grammars.for_tokenizer(self.tokenizer), self.n_slots, self.device)
+        return self._matchers
 
     def abort(self, request_ids) -> None:
         self.scheduler.abort(request_ids)
         for rid in request_ids:
             self._scores.pop(rid, None)
+            if self._matchers is not None:
+                self._matchers.drop(rid)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def expire(self) -> list[RequestOutput]:
         """End requests past their deadline without stepping (a paused or idle loop still enforces them)."""
-        return self._attach(self.scheduler.expire(time.monotonic()))
+        return self._outputs(self.scheduler.expire(time.monotonic()))
 
     def shutdown(self, message: str = "the server shut down before the request finished") -> list[RequestOutput]:
         """End every request still here with ErrorKind.SHUTDOWN."""
-        return self._attach(self.scheduler.end_all(ErrorKind.SHUTDOWN, message))
+        return self._outputs(self.scheduler.end_all(ErrorKind.SHUTDOWN, message))
+
+    def _outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Outputs as they leave the core: prompt log-probabilities on first outputs; the matchers of the requests
+        that ended dropped."""
+        if self._matchers is not None and self._matchers:
+            for out in outputs:
+                if out.done:
+                    self._matchers.drop(out.request_id)
+        return self._attach(outputs)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -118,11 +154,12 @@ class EngineCore:
             draws = self._execute(step)
         except Exception as e:  # a failing forward (e.g. out of memory) fails its requests, not the engine
             log.exception("engine step failed")
-            return self._attach(self.scheduler.fail_step(step, f"generation failed: {type(e).__name__}: {e}"))
-        return self._attach(self.scheduler.update(step, draws))
+            return self._outputs(self.scheduler.fail_step(step, f"generation failed: {type(e).__name__}: {e}"))
+        return self._outputs(self.scheduler.update(step, draws))
 
     def _execute(self, step: Step) -> list:
         self._apply(step.ops)
+        masks = _StepMasks(self._matchers, step) if self._matchers else None
         draws = []
         for chunk in step.prefills:
             slots = chunk.slots
@@ -140,10 +177,13 @@ class EngineCore:
             self.prefill_chunks += 1
             self.prompt_tokens += chunk.n * len(slots)
             rows = chunk.sampled
-            if len(rows) == len(slots):
-                draws += self.sampler.step(logits, slots)
-            elif rows:  # some of the group only score their prompt
-                draws += self.sampler.step(logits[torch.tensor(rows, device=logits.device)], [slots[i] for i in rows])
+            if rows:
+                mask = masks.next([chunk.reqs[i] for i in rows]) if masks else None
+                if len(rows) == len(slots):
+                    draws += self.sampler.step(logits, slots, mask)
+                else:  # some of the group only score their prompt
+                    draws += self.sampler.step(logits[torch.tensor(rows, device=logits.device)],
+                                               [slots[i] for i in rows], mask)
         if step.decode:
             n = len(step.decode)
             self.max_batch_seen = max(self.max_batch_seen, n)
@@ -152,8 +192,10 @@ class EngineCore:
             else:
                 logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
             self.decode_steps += 1
-            draws += self.sampler.step(logits, range(n))
+            draws += self.sampler.step(logits, range(n), masks.next(step.decode) if masks else None)
         self.generated_tokens += len(draws)
+        if masks:
+            masks.advance(draws)
         return draws
 
     def _score_prompt(self, chunk, h: torch.Tensor, rows: list[int]) -> None:
@@ -210,7 +252,8 @@ class EngineCore:
                     self.cache.truncate(slot, keep)
                 else:
                     self.cache.reset(slot)
-                self.sampler.admit(slot, req.params, req.prompt, seed=req.seed, top_n=req.top_n)
+                self.sampler.admit(slot, req.params, req.prompt, seed=req.seed, top_n=req.top_n,
+                                   constrained=req.structured is not None)
             elif kind == "move":
                 self.cache.move(op[1], op[2])
                 self.sampler.move(op[1], op[2])
@@ -275,3 +318,36 @@ class EngineCore:
                 "prefix_cache": s.prefix is not None, "prefix_hit_tokens": s.hit_tokens,
                 "prefix_copied_tokens": self.copied_tokens,
                 "generated_tokens": self.generated_tokens, "cuda_graphs": self._graphed is not None}
+
+
+class _StepMasks:
+    """The grammar masks of one step: the constrained requests among those sampled, filled and copied to the
+    device once, at the first sampler call that needs them (after a forward pass is launched), then handed to
+    each sampler call as the rows of its constrained requests."""
+
+    def __init__(self, matchers: Matchers, step: Step) -> None:
+        self.matchers = matchers
+        self.sampled = step.sampled
+        self.ids = [r.id for r in self.sampled if r.id in matchers]
+        self.dev: torch.Tensor | None = None
+        self.at = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.ids)
+
+    def next(self, reqs) -> torch.Tensor | None:
+        k = sum(1 for r in reqs if r.id in self.matchers)
+        if not k:
+            return None
+        if self.dev is None:
+            self.dev = self.matchers.fill(self.ids)
+        rows = self.dev[self.at:self.at + k]
+        self.at += k
+        return rows
+
+    def advance(self, draws) -> None:
+        """Each constrained request's matcher takes its token; `stop` on the draws whose grammar is complete."""
+        for r, d in zip(self.sampled, draws):
+            if r.id in self.matchers:
+                ok, done = self.matchers.accept(r.id, d.token)
+                d.stop = done or not ok

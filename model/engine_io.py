@@ -28,6 +28,15 @@ class ErrorKind(StrEnum):
 
 
 @dataclass
+class StructuredSpec:
+    """A grammar the request's output must follow (model/structured_output.py compiles it). Plain data: it
+    travels to the core process inside EngineRequest."""
+
+    kind: str  # "json_schema" | "json_object" | "regex" | "grammar" (EBNF or Lark) | "choice"
+    value: str = ""  # the schema as JSON text, the regex, the grammar, or the choices as a JSON list
+
+
+@dataclass
 class EngineRequest:
     """One sequence to generate. `seed` is required: it was drawn once, where the request was validated."""
 
@@ -42,6 +51,7 @@ class EngineRequest:
     # alternatives, computed during prefill. With params.max_new_tokens == 0 the request only scores its prompt:
     # it ends after its prefill, no token sampled (finish LENGTH). Such requests never reuse a cached prefix.
     prompt_logprobs: int | None = None
+    structured: StructuredSpec | None = None  # constrain the output to this grammar
 
 
 @dataclass
@@ -61,7 +71,7 @@ class RequestOutput:
     token_ids: list[int]
     logprobs: list[float]  # under the model's own distribution (raw logits), one per token
     top: list[list[tuple[int, float]]] | None = None  # per token: the top_n (id, logprob), when asked
-    finish: FinishReason | None = None  # LENGTH or EOS: the core is done with it
+    finish: FinishReason | None = None  # LENGTH, EOS, or STOP (its grammar is complete): the core is done
     error: ErrorKind | None = None  # set instead of tokens when the core ended it
     message: str = ""  # the error, in words
     queue_s: float | None = None  # on the first output: seconds from arrival to a KV-cache slot

@@ -96,12 +96,13 @@ class Sequence:
         return "".join(e.text for e in self.events if not e.special)
 
     def append(self, token_id: int, logprob: float, finish: FinishReason | None = None) -> TokenEvent:
-        """Record a token from the core (`finish`: the core ended the request with it, EOS or LENGTH), release
-        the text it completes and decide whether a stop string ended the request here."""
+        """Record a token from the core (`finish`: the core ended the request with it: EOS, LENGTH, or STOP for a
+        stop token id or a complete grammar), release the text it completes and decide whether a stop string ended
+        the request here."""
         self.tokens.append(token_id)
-        if finish in (FinishReason.EOS, FinishReason.STOP):
+        if finish == FinishReason.EOS or (finish == FinishReason.STOP and token_id in self.params.stop_token_ids):
             # EOS, or one of the request's stop_token_ids (as vLLM, its text is not part of the output): the token
-            # adds no text; release anything still held back
+            # adds no text; release anything still held back. (STOP for a grammar that is complete keeps its text.)
             ev = TokenEvent(token_id, self._detok.flush() + self._stops.flush(), logprob,
                             special=finish == FinishReason.EOS, finish_reason=finish)
         else:

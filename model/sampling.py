@@ -155,6 +155,7 @@ class _Kind:
     top_n: int
     bias: bool = False  # logit_bias
     min_tokens: bool = False  # EOS / stop token ids suppressed for the first min_tokens tokens
+    constrained: bool = False  # a grammar masks its tokens (model/structured_output.py)
 
 
 @dataclass
@@ -178,6 +179,8 @@ class _Plan:
     top_n: int
     bias: bool = False
     min_tokens: bool = False
+    masked: bool = False  # some row is constrained: step() takes a bitmask for those rows
+    mask_rows: torch.Tensor | None = None  # their batch rows (None: every row is)
 
 
 @dataclass
@@ -187,6 +190,7 @@ class Draw:
     token: int
     logprob: float
     top: list[tuple[int, float]] | None = None  # the top_n most likely (id, logprob) under the raw distribution
+    stop: bool = False  # set by the engine core: the request's grammar is complete (structured output)
 
 
 class Sampler:
@@ -237,12 +241,15 @@ class Sampler:
         self._in_block = torch.arange(block_size, **i64)
         self._cols = torch.arange(max_len, **i64)
         self._plans: dict = {}
+        self._mask_ws: tuple[torch.Tensor, torch.Tensor] | None = None  # grammar masks' workspaces (_mask)
         self.read_backs = 0  # device→host copies made (tests count them)
 
     # ------------------------------------------------------------------ slots
-    def admit(self, slot: int, params: SamplingParams, prompt: list[int], seed: int, top_n: int = 0) -> None:
+    def admit(self, slot: int, params: SamplingParams, prompt: list[int], seed: int, top_n: int = 0,
+              constrained: bool = False) -> None:
         """Write a request's parameters, seed and prompt into `slot` (the seed was drawn at validation).
         `top_n`: also report the top_n most likely tokens at every step (logprobs alternatives).
+        `constrained`: a grammar restricts its tokens; every step() then gives this slot's row of the bitmask.
         """
         n = len(prompt)
         if not 0 < n <= self.max_len:
@@ -269,7 +276,8 @@ class Sampler:
             greedy=greedy, top_k=top_k, top_p=not greedy and params.top_p < 1.0,
             repetition=params.repetition_penalty != 1.0,
             presence_frequency=params.presence_penalty != 0.0 or params.frequency_penalty != 0.0,
-            unit_temperature=greedy or params.temperature == 1.0, top_n=top_n, bias=bias, min_tokens=suppress)
+            unit_temperature=greedy or params.temperature == 1.0, top_n=top_n, bias=bias, min_tokens=suppress,
+            constrained=constrained)
         self._plans.clear()
 
     def _admit_bias(self, slot: int, params: SamplingParams) -> tuple[bool, bool]:
@@ -329,10 +337,14 @@ class Sampler:
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
-    def step(self, logits: torch.Tensor, slots: range | list[int]) -> list[Draw]:
-        """Pick one token per row of logits (B, ≥ vocab) for `slots`, record them, return them on the host."""
+    def step(self, logits: torch.Tensor, slots: range | list[int], bitmask: torch.Tensor | None = None) -> list[Draw]:
+        """Pick one token per row of logits (B, ≥ vocab) for `slots`, record them, return them on the host.
+        `bitmask`: on the device, the packed int32 masks (model/structured_output.py) of the constrained slots
+        among them, in slot order; required when some slot is constrained, else None."""
         plan = self._plan(slots)
-        token, logprob, accepted, top_ids, top_lp, ctx = self._sample(logits, plan)
+        if plan.masked != (bitmask is not None):
+            raise ValueError("a bitmask is required exactly when a slot is constrained")
+        token, logprob, accepted, top_ids, top_lp, ctx = self._sample(logits, plan, bitmask)
         parts = [token.double()[:, None], logprob.double()[:, None]]
         if accepted is not None:
             parts.append(accepted.double()[:, None])
@@ -377,6 +389,7 @@ class Sampler:
         greedy = [k.greedy for k in kinds]
         topk = [i for i, k in enumerate(kinds) if k.top_k]
         sampled = [i for i, k in enumerate(kinds) if not k.greedy and not k.top_k]
+        constrained = [i for i, k in enumerate(kinds) if k.constrained]
         return _Plan(
             n=n, rows=rows, index=index,
             greedy=torch.tensor(greedy, device=dev) if 0 < sum(greedy) < n else None,
@@ -389,9 +402,10 @@ class Sampler:
             z_is_raw=all(k.unit_temperature and not k.repetition and not k.presence_frequency and not k.bias
                          and not k.min_tokens for k in kinds),
             top_n=max(k.top_n for k in kinds), bias=any(k.bias for k in kinds),
-            min_tokens=any(k.min_tokens for k in kinds))
+            min_tokens=any(k.min_tokens for k in kinds), masked=bool(constrained),
+            mask_rows=torch.tensor(constrained, device=dev) if 0 < len(constrained) < n else None)
 
-    def _sample(self, logits: torch.Tensor, plan: _Plan):
+    def _sample(self, logits: torch.Tensor, plan: _Plan, bitmask: torch.Tensor | None = None):
         B, V, P, NB, BS = plan.n, self.vocab_size, self.padded, self.n_blocks, self.block
         if logits.size(0) != B or logits.size(1) < V:
             raise ValueError(f"logits {tuple(logits.shape)} for {B} slots and a vocabulary of {V}")
@@ -399,6 +413,13 @@ class Sampler:
         raw = logits[:, :V].float()  # a padded model vocabulary is never sampled
         inv_t = self.inv_temp[rows][:, None]
         penalized = plan.repetition or plan.presence_frequency or plan.bias or plan.min_tokens
+        masked = bitmask is not None
+        banned = None  # the masked rows' mask bytes (see _mask)
+        mask_lse = None  # constrained rows: the raw normalizer, taken before the mask (logprobs stay raw)
+        if masked and not penalized:  # (in the workspace: a fresh (B, V) tensor per step costs page faults)
+            r = raw if plan.mask_rows is None else raw[plan.mask_rows]
+            r_max = r.amax(-1, keepdim=True)
+            mask_lse = r_max[:, 0] + torch.sub(r, r_max, out=self._tmp[:r.size(0), :V]).exp_().sum(-1).log()
         if penalized:
             # z = biased, penalized logits / temperature, in the workspace
             src = self._z[:B]
@@ -407,38 +428,60 @@ class Sampler:
                 self._bias(src, plan)
             if plan.repetition or plan.presence_frequency:
                 self._penalize(src, plan)
+            if masked:  # penalties → grammar mask → temperature (→ top-k → top-p)
+                banned = self._mask(src, plan, bitmask)
             if not plan.z_is_raw:
                 src[:, :V].mul_(inv_t)
             scale = None  # src already holds z
-        elif logits.size(1) >= P and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        elif (logits.size(1) >= P and logits.dtype == torch.float32 and logits.stride(1) == 1
+              and not (masked and plan.top_n)):
             # the model's vocabulary is padded to whole blocks (GPT.pad_vocab): its logits serve as they are,
-            # no copy; the padding columns become -inf in place
+            # no copy; the padding columns become -inf in place (and a constrained row's disallowed tokens: the
+            # token drawn is allowed, so its raw logit, all the logprob needs besides mask_lse, is intact)
             src = logits[:, :P]
             if P > V:
                 src[:, V:] = float("-inf")
+            if masked:
+                banned = self._mask(src, plan, bitmask)
             scale = None if plan.z_is_raw else inv_t  # z = src · scale, never materialized
         else:
             src = self._z[:B]
             src[:, :V].copy_(raw)
+            if masked:
+                banned = self._mask(src, plan, bitmask)
             scale = None if plan.z_is_raw else inv_t
         srcb = src.unflatten(1, (NB, BS))
         bmax = srcb.amax(-1)  # (B, NB)
         m = bmax.amax(-1, keepdim=True)  # (B, 1)
         d = torch.sub(src, m, out=self._e[:B])
+        # with a grammar mask, most of d is -inf: exp of what underflows takes a slow path on CPUs (5-8x), so
+        # masked batches clamp at -80 (e^-80 ~ 1.8e-35, a normal float) and zero the disallowed entries after
+        exp_ = (lambda x: x.exp_()) if not masked else (lambda x: self._zero_banned(x.clamp_(min=-80.0).exp_(),
+                                                                                      plan, banned))
         if penalized:
-            e = d.exp_()  # exp(z - max z)
+            e = exp_(d)  # exp(z - max z)
             m_raw = raw.amax(-1, keepdim=True)
             lse = m_raw[:, 0] + torch.sub(raw, m_raw, out=self._tmp[:B, :V]).exp_().sum(-1).log()
         elif scale is None:  # temperature 1 everywhere: z = raw
-            e = d.exp_()
+            e = exp_(d)
             lse = None
         else:  # raw normalizer from exp(raw − max), then exp((raw − max) / T) for the draw
-            lse = m[:, 0] + torch.exp(d, out=self._tmp[:B]).sum(-1).log()
-            e = d.mul_(scale).exp_()
+            if not masked:
+                lse = m[:, 0] + torch.exp(d, out=self._tmp[:B]).sum(-1).log()
+            elif plan.mask_rows is None:
+                lse = mask_lse  # every row is masked: its raw normalizer is known already
+            else:  # (the clamp changes the unmasked rows' sums by < 1e-30: nothing)
+                lse = m[:, 0] + torch.clamp(d, min=-80.0, out=self._tmp[:B]).exp_().sum(-1).log()
+            e = exp_(d.mul_(scale))
         bsum = e.unflatten(1, (NB, BS)).sum(-1)  # (B, NB) block masses (unnormalized)
         total = bsum.sum(-1)  # (B,)
         if lse is None:
             lse = m[:, 0] + total.log()
+        if mask_lse is not None:  # the masked rows' lse above is under the mask: report the raw one
+            if plan.mask_rows is None:
+                lse = mask_lse
+            else:
+                lse = lse.index_copy(0, plan.mask_rows, mask_lse)
 
         seed_key = self.seed_key[rows]
         position = self.length[rows] - self.prompt_len[rows]  # index of the token being generated
@@ -477,7 +520,7 @@ class Sampler:
 
         top_ids = top_lp = None
         if plan.top_n:
-            if not penalized:  # src holds the raw logits
+            if not penalized and not masked:  # src holds the raw logits
                 rb, rbmax = srcb, bmax
             else:
                 self._tmp[:B, :V] = raw
@@ -593,6 +636,31 @@ class Sampler:
             active = (self.length[rows] - self.prompt_len[rows]) < self.min_tokens[rows]
             z.scatter_(1, ids, torch.where(active[:, None], float("-inf"), z.gather(1, ids)))
 
+    def _mask(self, z: torch.Tensor, plan: _Plan, bitmask: torch.Tensor) -> torch.Tensor:
+        """The grammar's mask on the constrained rows of z (B, padded): disallowed tokens become -inf. Returns
+        the bitmask's bytes as indices, for _zero_banned."""
+        if self._mask_ws is None:  # (k, 8 · bytes) float rows and (k, bytes) indices, kept: no allocation per step
+            nbytes = (self.vocab_size + 7) // 8
+            self._mask_ws = (torch.empty(self.n_slots, 8 * nbytes, device=self.device),
+                             torch.empty(self.n_slots, nbytes, dtype=torch.long, device=self.device))
+        if plan.mask_rows is None:
+            return apply_bitmask(z, bitmask, self.vocab_size, self._mask_ws)
+        sub = z[plan.mask_rows]
+        idx = apply_bitmask(sub, bitmask, self.vocab_size, self._mask_ws)
+        z[plan.mask_rows] = sub
+        return idx
+
+    def _zero_banned(self, e: torch.Tensor, plan: _Plan, idx: torch.Tensor) -> torch.Tensor:
+        """e (B, padded) = exp of clamped logits: 0 where the grammar disallows a token, and in the padding."""
+        V = self.vocab_size
+        allowed = bitmask_rows(idx, _ALLOWED, V, e.device, self._mask_ws[0])
+        if plan.mask_rows is None:
+            e[:, :V].mul_(allowed)
+        else:
+            e[plan.mask_rows, :V] = e[plan.mask_rows, :V].mul_(allowed)
+        e[:, V:] = 0.0
+        return e
+
     def _penalize(self, z: torch.Tensor, plan: _Plan) -> None:
         """Penalties on the raw logits in z (B, padded), sparse: over each row's history, not the vocabulary."""
         rows = plan.rows
@@ -617,3 +685,46 @@ class Sampler:
         self.length[rows] += 1
         self.last[rows] = token
 
+
+
+# ---------------------------------------------------------------------------------------------- grammar masks
+# byte value → its 8 tokens (little-endian bit order: token t is bit t % 8 of byte t // 8 of the packed mask)
+_BIAS, _ALLOWED = "bias", "allowed"
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _table(kind: str, device: torch.device) -> torch.Tensor:
+    t = _TABLES.get((kind, device))
+    if t is None:
+        bits = (torch.arange(256, dtype=torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32)) & 1
+        t = torch.where(bits == 1, 0.0, float("-inf")) if kind == _BIAS else bits.float()
+        t = _TABLES[(kind, device)] = t.to(device)
+    return t
+
+
+def bitmask_rows(idx: torch.Tensor, kind: str, vocab_size: int, device: torch.device,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """(k, V) float rows of a table (_BIAS: 0 / -inf; _ALLOWED: 1 / 0) for the mask bytes `idx` (k, nbytes);
+    `out`: a workspace of ≥ k rows of 8 · nbytes."""
+    k, nbytes = idx.shape
+    table = _table(kind, device)
+    if out is None:
+        return torch.index_select(table, 0, idx.flatten()).view(k, -1)[:, :vocab_size]
+    rows = out[:k]
+    torch.index_select(table, 0, idx.flatten(), out=rows.view(k * nbytes, 8))
+    return rows[:, :vocab_size]
+
+
+def apply_bitmask(z: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
+                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """z (k, ≥ vocab_size) float: -inf where the packed int32 bitmask (k, ceil(V/32)) has a 0 bit (bit j of word i
+    is token 32·i + j: llguidance's and xgrammar's layout, model/structured_output.py). Returns the mask's bytes
+    as int64 indices (k, ceil(V/8)).
+
+    The words are read as little-endian bytes and expanded through a 256-entry table of 0 / -inf, added to z:
+    one index_select and one add (masked_fill and where are several times slower on a CPU)."""
+    k, nbytes = bitmask.size(0), (vocab_size + 7) // 8
+    by = bitmask.contiguous().view(torch.uint8).view(k, -1)[:, :nbytes]
+    idx = by.long() if workspace is None else workspace[1][:k].copy_(by)
+    z[:, :vocab_size].add_(bitmask_rows(idx, _BIAS, vocab_size, z.device, None if workspace is None else workspace[0]))
+    return idx

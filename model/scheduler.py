@@ -27,7 +27,8 @@ One step, as vLLM V1's `EngineCore.step` runs it: `schedule(now)` → the core e
   ending request leaves behind survives. Sampling state (seed, penalty history, positions) is always the new
   request's own: the sampler is written at admission whatever was reused.
 - Ends: EOS (when the request stops at EOS), one of its stop_token_ids (both only once it has min_tokens
-  tokens), or max_new_tokens, decided from the sampled token ids; a request with max_new_tokens 0 (it only
+  tokens), a grammar that is complete (the core sets `stop` on the draw: FinishReason.STOP, or EOS if it took
+  <|endoftext|>), or max_new_tokens, decided from the sampled token ids; a request with max_new_tokens 0 (it only
   scores its prompt: prompt log-probabilities) ends with LENGTH right after its prefill, nothing sampled; a
   deadline passed (`ErrorKind.TIMEOUT`); `abort(ids)` from whoever reads the outputs (a stop string, a
   client gone) frees the slot with no output.
@@ -237,10 +238,11 @@ class Scheduler:
                 r.out.append(d.token)
             params = r.request.params
             finish = None
+            stop = getattr(d, "stop", False)  # its grammar is complete (model/structured_output.py)
             may_stop = r.generated > params.min_tokens  # the sampler suppresses stops until then
-            if params.stop_at_eos and d.token == self.eos_id and may_stop:
+            if d.token == self.eos_id and ((params.stop_at_eos and may_stop) or stop):
                 finish = FinishReason.EOS
-            elif params.stop_token_ids and d.token in params.stop_token_ids and may_stop:
+            elif stop or (params.stop_token_ids and d.token in params.stop_token_ids and may_stop):
                 finish = FinishReason.STOP
             elif r.generated >= params.max_new_tokens:
                 finish = FinishReason.LENGTH

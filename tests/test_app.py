@@ -447,7 +447,7 @@ BAD_TGI = [
     ({"inputs": "a", "parameters": {"best_of": 2}}, 422, "parameters.best_of"),
     ({"inputs": "a", "parameters": {"typical_p": 0.5}}, 422, "parameters.typical_p"),
     ({"inputs": "a", "parameters": {"watermark": True}}, 422, "parameters.watermark"),
-    ({"inputs": "a", "parameters": {"grammar": {"type": "json", "value": {}}}}, 422, "parameters.grammar"),
+    ({"inputs": "a", "parameters": {"grammar": {"type": "regex", "value": "(("}}}, 422, "parameters.grammar"),
     ({"inputs": "a", "stream": True, "parameters": {"decoder_input_details": True}}, 422,
      "parameters.decoder_input_details"),  # TGI refuses it when streaming
     ({"inputs": "a", "parameters": {"decoder_input_details": "yes"}}, 422, "parameters.decoder_input_details"),

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from typing import Literal
 
 import httpx
+import pydantic
 import pytest
 
 from model.stopping import FinishReason
@@ -400,3 +402,91 @@ def test_text_generation_bad_request_raises_validation_error(live, tg):
     with pytest.raises(ValidationError) as e:
         asyncio.run(go())
     assert "parameters.watermark" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------- structured output
+class Pet(pydantic.BaseModel):
+    """Bounded fields: the tiny random model has no reason to close a string or a number by itself."""
+
+    name: str = pydantic.Field(max_length=6)
+    kind: Literal["cat", "dog", "owl"]
+    legs: int = pydantic.Field(ge=0, le=8)
+
+
+def test_openai_parse_with_a_pydantic_model(oai):
+    """The SDK's structured-output helper (a strict json_schema response_format) parses our reply."""
+    for seed in (1, 2, 3):
+        r = oai.chat.completions.parse(model="tiny", messages=MESSAGES, response_format=Pet, max_tokens=80,
+                                       seed=seed)
+        assert isinstance(r.choices[0].message.parsed, Pet)
+        assert r.choices[0].finish_reason == "stop"
+    again = oai.chat.completions.parse(model="tiny", messages=MESSAGES, response_format=Pet, max_tokens=80, seed=3)
+    assert again.choices[0].message.parsed == r.choices[0].message.parsed  # seeded: reproducible
+
+
+def test_openai_json_object_regex_and_choice(oai):
+    import json
+    import re
+
+    r = oai.completions.create(model="tiny", prompt="hi", max_tokens=60, seed=1,
+                               extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    assert r.choices[0].text in ("yes", "no", "maybe") and r.choices[0].finish_reason == "stop"
+    r = oai.completions.create(model="tiny", prompt="hi", max_tokens=60, seed=1,
+                               extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", r.choices[0].text)
+    # any JSON object: the random model writes long keys; with the stream, the text is what arrived
+    chunks = list(oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=100, seed=4, stream=True,
+                                              response_format={"type": "json_object"}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.startswith("{")
+    if chunks[-1].choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_openai_bad_schemas_and_regexes_raise_bad_request(oai):
+    import openai
+
+    cases = [(dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}),
+              "response_format.json_schema.schema", "foo"),
+             (dict(response_format={"type": "json_schema"}), "response_format.json_schema", "required"),
+             (dict(extra_body={"structured_outputs": {"regex": "(("}}), "structured_outputs.regex", "unclosed group"),
+             (dict(extra_body={"structured_outputs": {"grammar": 'start: "a" | b'}}), "structured_outputs.grammar",
+              "unknown name"),
+             (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs",
+              "exactly one")]
+    for kw, param, reason in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, **kw)
+        assert e.value.param == param and reason in e.value.message, (kw, e.value.message)
+        body = {**kw.get("extra_body", {}), **({"response_format": kw["response_format"]} if "response_format" in kw
+                                                else {})}  # the SDK's completions take it as an extra field
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.completions.create(model="tiny", prompt="hi", max_tokens=5, extra_body=body)
+        assert e.value.param == param
+
+
+def test_hf_text_generation_with_a_grammar(hf):
+    import json
+    import re
+
+    schema = Pet.model_json_schema()
+    for seed in (1, 2):
+        out = hf.text_generation("hello", max_new_tokens=80, seed=seed, details=True,
+                                 grammar={"type": "json", "value": schema})
+        Pet.model_validate(json.loads(out.generated_text))
+        assert out.details.finish_reason == "stop_sequence"  # the grammar is complete
+    text = hf.text_generation("hello", max_new_tokens=20, seed=1, grammar={"type": "regex", "value": "[a-c]{2,4}!"})
+    assert re.fullmatch("[a-c]{2,4}!", text)
+    streamed = "".join(hf.text_generation("hello", max_new_tokens=20, seed=1, stream=True,
+                                          grammar={"type": "regex", "value": "[a-c]{2,4}!"}))
+    assert streamed == text
+
+
+def test_tgi_bad_grammars_are_422_naming_the_field(live):
+    for grammar, reason in [({"type": "regex", "value": "(("}, "unclosed group"),
+                            ({"type": "json", "value": {"type": "foo"}}, "foo"),
+                            ({"type": "json", "value": "{nope"}, "not valid JSON"),
+                            ({"type": "regex", "value": {"a": 1}}, "must be a string")]:
+        r = httpx.post(live.url + "/generate", json={"inputs": "hi", "parameters": {"grammar": grammar}})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"].startswith("parameters.grammar:") and reason in r.json()["error"], r.text

@@ -260,3 +260,73 @@ def test_errors_are_shown_and_ctrl_enter_generates(playground):
     assert page.get_attribute("#status", "data-state") == "done", (page.inner_text("#status"),
                                                                    page.inner_text("#error"))
     assert page.is_hidden("#error")
+
+
+def test_mode_radios_sit_beside_their_labels(playground):
+    """Each radio is on the first line of its label, left of the text (not centred on a line of its own)."""
+    for value in ("complete", "chat"):
+        radio = playground.locator(f'#mode input[value="{value}"]').bounding_box()
+        label = playground.locator(f'#mode label:has(input[value="{value}"])').bounding_box()
+        assert radio["width"] < 40, radio  # its own size, not the label's width
+        assert abs(radio["x"] - label["x"]) < 4, (radio, label)
+        assert radio["y"] - label["y"] < 12, (radio, label)  # on the first line of the label
+        assert radio["y"] + radio["height"] <= label["y"] + 30, (radio, label)
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "act": {"type": "integer", "minimum": 1, "maximum": 5}},
+          "required": ["name", "act"], "additionalProperties": False}
+
+
+def _format(pg, kind: str, value: str | None = None) -> None:
+    pg.select_option("#response_format", kind)
+    if value is not None:
+        pg.fill("#format_value", value)
+
+
+def _run(pg) -> str:
+    pg.click("#generate")
+    pg.wait_for_selector("#status[data-state=done], #status[data-state=error]")
+    assert pg.get_attribute("#status", "data-state") == "done", (pg.inner_text("#status"), pg.inner_text("#error"))
+    return pg.eval_on_selector("#output", "el => el.textContent")
+
+
+def test_response_format_in_complete_mode(playground):
+    page = playground
+    assert page.is_hidden("#format_value")
+    _fill_params(page, 120, "1", seed="3")
+    _format(page, "json_schema", json.dumps(SCHEMA))
+    assert page.is_visible("#format_value") and page.is_visible("#format-hint")
+    doc = json.loads(_run(page))
+    assert set(doc) == {"name", "act"} and 1 <= doc["act"] <= 5 and len(doc["name"]) <= 8
+    assert "finish reason: stop_sequence" in page.inner_text("#status")  # the grammar completed
+    _format(page, "regex", "[a-e]{3,6}!")
+    assert re.fullmatch("[a-e]{3,6}!", _run(page))
+    _format(page, "json_object")
+    assert page.is_hidden("#format_value")
+    text = _run(page)
+    assert text.startswith("{")  # any JSON object (the random model may run out of tokens inside a key)
+    _format(page, "json_schema", "{not json")
+    page.click("#generate")
+    page.wait_for_selector("#status[data-state=error]")
+    assert "not valid JSON" in page.inner_text("#error")
+
+
+def test_response_format_in_chat_mode(playground):
+    page = playground
+    page.check('#mode input[value="chat"]')
+    _fill_params(page, 120, "1", seed="5")
+    _format(page, "json_schema", json.dumps(SCHEMA))
+    out = _run(page)
+    assert out.startswith("You: " + PROMPT + "\nModel: "), out
+    doc = json.loads(out.split("\nModel: ", 1)[1])
+    assert set(doc) == {"name", "act"} and 1 <= doc["act"] <= 5
+    page.fill("#prompt", "again")
+    _format(page, "regex", "(yes|no), my lord")
+    out = _run(page)
+    assert re.fullmatch("(yes|no), my lord", out.rsplit("\nModel: ", 1)[1]), out
+    _format(page, "regex", "((")  # the server's 400 names the field
+    page.fill("#prompt", "once more")
+    page.click("#generate")
+    page.wait_for_selector("#status[data-state=error]")
+    assert "structured_outputs.regex" in page.inner_text("#error")

@@ -8,6 +8,7 @@ import concurrent.futures
 import glob
 import json
 import os
+import re
 import signal
 import tempfile
 import time
@@ -70,6 +71,15 @@ def test_a_stop_string_in_the_front_aborts_the_request_in_the_core(tiny_ckpt):  
         r = httpx.post(url + "/generate", json={"inputs": "stop here", "parameters": {**params, "stop": [stop_at]}})
         assert r.json()["details"]["finish_reason"] == "stop_sequence"
         assert wait_until(lambda: httpx.get(url + "/info").json()["engine"]["running"] == 0, timeout=2) < 2
+        # a grammar travels to the core process with its request; a stop string still ends a constrained one
+        grammar = {"type": "regex", "value": "[a-e]{30}"}
+        full = httpx.post(url + "/generate", json={"inputs": "stop here", "parameters": {
+            **params, "grammar": grammar}}).json()
+        assert re.fullmatch("[a-e]{30}", full["generated_text"]) and full["details"]["finish_reason"] == "stop_sequence"
+        stop_at = full["generated_text"][10:13]
+        cut = httpx.post(url + "/generate", json={"inputs": "stop here", "parameters": {
+            **params, "grammar": grammar, "stop": [stop_at]}}).json()
+        assert full["generated_text"].startswith(cut["generated_text"]) and stop_at not in cut["generated_text"]
     finally:
         stop(proc)
 

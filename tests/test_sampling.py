@@ -385,3 +385,48 @@ def test_a_biased_step_reads_back_once(params):
         for _ in range(3):
             s.step(logits, range(B))
     assert c.calls == ["tolist"] * 3
+
+
+# ---------------------------------------------------------------------------------------------- grammar masks
+def _packed(allowed: torch.Tensor) -> torch.Tensor:
+    """(k, V) bool → the packed int32 bitmask (bit j of word i: token 32·i + j)."""
+    k, V = allowed.shape
+    W = (V + 31) // 32
+    bits = torch.zeros(k, W * 32, dtype=torch.int64)
+    bits[:, :V] = allowed.long()
+    words = (bits.view(k, W, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def test_apply_bitmask_sets_exactly_the_disallowed_tokens_to_minus_inf():
+    from model.sampling import apply_bitmask
+
+    g = torch.Generator().manual_seed(0)
+    V = 1000
+    allowed = torch.rand(3, V, generator=g) < 0.3
+    allowed[:, 999] = True  # the last word's high bits
+    z = torch.randn(3, 1024, generator=g)
+    before = z.clone()
+    apply_bitmask(z, _packed(allowed), V)
+    assert torch.equal(torch.isinf(z[:, :V]), ~allowed)
+    assert torch.equal(z[:, :V][allowed], before[:, :V][allowed]) and torch.equal(z[:, V:], before[:, V:])
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.7, top_k=50),
+                                    dict(temperature=1.3, top_p=0.8), dict(temperature=0.9, repetition_penalty=1.3)])
+def test_masked_rows_draw_only_allowed_tokens_and_report_raw_logprobs(params):
+    V, B = 700, 4
+    s = Sampler(B, V, 32)
+    for slot in range(B):
+        s.admit(slot, SamplingParams(**params), [1, 2, 3], seed=slot, constrained=slot % 2 == 0)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        logits = torch.randn(B, V, generator=g) * 3
+        allowed = torch.rand(2, V, generator=g) < 0.05
+        allowed[:, 5] = True
+        draws = s.step(logits, range(B), _packed(allowed))
+        for row, d in zip((0, 2), (draws[0], draws[2])):
+            assert allowed[row // 2, d.token], (params, d.token)
+            assert d.logprob == pytest.approx(torch.log_softmax(logits[row], -1)[d.token].item(), abs=1e-4)
+    with pytest.raises(ValueError, match="bitmask"):
+        s.step(torch.randn(B, V), range(B))

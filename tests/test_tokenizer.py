@@ -109,3 +109,16 @@ def test_extra_special_tokens_round_trip_through_the_spec(tmp_path, gpt2_tokeniz
     for bad in ({"[Start]": 100}, {"<|endoftext|>": 300}, {"[A]": 258, "[B]": 258}, ["[Start]"]):
         with pytest.raises(TokenizerError):
             load_tokenizer({**tok.spec, "special_tokens": bad}, tmp_path)
+
+
+def test_a_stop_token_id_leaves_its_text_out_but_a_complete_grammar_keeps_it(tmp_path):
+    """FinishReason.STOP from the core means a stop_token_id (no text, as vLLM) or a grammar that is complete (the
+    token is part of the answer): the sequence tells them apart by the request's stop_token_ids."""
+    tok = Tokenizer.from_ranks_file(write_byte_ranks(tmp_path / "t.tiktoken", []))
+    ids = tok.encode("yes")
+    for stop_ids, text in (([], "yes"), ([ids[-1]], "ye")):
+        seq = Sequence([1], SamplingParams(max_new_tokens=8, stop_token_ids=stop_ids), tok, seed=0)
+        for t in ids[:-1]:
+            seq.append(t, -1.0)
+        seq.append(ids[-1], -1.0, FinishReason.STOP)
+        assert seq.text == text and seq.finish_reason == FinishReason.STOP

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from app.chat_template import load_chat_template
@@ -114,3 +116,38 @@ def test_chat_plan(byte_tokenizer, tmp_path):
     long = [{"role": "user", "content": "a" * 70}]
     refused(lambda: plan_chat(ChatCompletionRequest.model_validate({"messages": long}), byte_tokenizer, LIMITS,
                               template), "messages")
+
+
+# ---------------------------------------------------------------------------------------------- structured output
+def test_structured_output_plans_and_refusals(byte_tokenizer, tmp_path):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    template = load_chat_template(tmp_path)
+    chat = lambda body: plan_chat(ChatCompletionRequest.model_validate(  # noqa: E731
+        {"messages": [{"role": "user", "content": "hi"}], **body}), byte_tokenizer, LIMITS, template)
+    p = chat({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert p.structured.kind == "json_schema" and json.loads(p.structured.value) == schema
+    assert chat({"response_format": {"type": "json_object"}}).structured.kind == "json_object"
+    assert chat({"response_format": {"type": "text"}}).structured is None
+    comp = lambda body: plan_completion(CompletionRequest.model_validate({"prompt": "hi", **body}),  # noqa: E731
+                                        byte_tokenizer, LIMITS)
+    assert comp({"structured_outputs": {"choice": ["a", "b"]}}).structured.kind == "choice"
+    assert comp({"structured_outputs": {"json": json.dumps(schema)}}).structured.kind == "json_schema"
+    assert comp({"structured_outputs": {"grammar": 'root ::= "a"'}}).structured.kind == "grammar"
+    tgi = lambda g: plan_tgi(TGIRequest.model_validate({"inputs": "hi", "parameters": {"grammar": g}}),  # noqa: E731
+                             byte_tokenizer, LIMITS)
+    assert tgi({"type": "regex", "value": "a+"}).structured.value == "a+"
+    assert json.loads(tgi({"type": "json", "value": schema}).structured.value) == schema
+
+    e = refused(lambda: chat({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}}}}),
+        "response_format.json_schema.schema")
+    assert "unclosed group" in e.message
+    refused(lambda: chat({"response_format": {"type": "json_schema"}}), "response_format.json_schema")
+    refused(lambda: chat({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}),
+            "structured_outputs")
+    refused(lambda: comp({"structured_outputs": {"regex": "[z-a]"}}), "structured_outputs.regex")
+    refused(lambda: comp({"structured_outputs": {"json": "{nope"}}), "structured_outputs.json")
+    refused(lambda: comp({"structured_outputs": {}}), "structured_outputs")
+    refused(lambda: comp({"structured_outputs": {"grammar": "start: b"}}), "structured_outputs.grammar")
+    refused(lambda: tgi({"type": "regex", "value": "(("}), "parameters.grammar")
+    refused(lambda: tgi({"type": "json", "value": {"$ref": "#/none"}}), "parameters.grammar")

@@ -36,7 +36,7 @@ from app.engine.wire import (
     decode_to_front,
     encode,
 )
-from model.engine_io import EngineRequest, ErrorKind
+from model.engine_io import EngineRequest, ErrorKind, StructuredSpec
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
@@ -70,7 +70,8 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
     def add(self, prompt: list[int], params: SamplingParams, seed: int, *, top_n: int = 0,
-            timeout_s: float = 300.0, prompt_logprobs: int | None = None) -> RequestState:
+            timeout_s: float = 300.0, prompt_logprobs: int | None = None,
+            structured: StructuredSpec | None = None) -> RequestState:
         if self.dead is not None:
             raise EngineError(ErrorKind.UNAVAILABLE, f"the generation engine has stopped: {self.dead}")
         if not self.accepting:
@@ -82,7 +83,7 @@ class EngineClient:
                           top_n=top_n, timeout_s=timeout_s, abort=self.abort, prompt_logprobs=prompt_logprobs)
         self.processor.add(st)
         self._send(Add(EngineRequest(st.id, st.prompt, params, seed, top_n, st.arrival, st.deadline,
-                                     prompt_logprobs=prompt_logprobs)))
+                                     prompt_logprobs=prompt_logprobs, structured=structured)))
         return st
 
     def abort(self, request_id: str) -> None:

@@ -114,7 +114,8 @@ def build_core(cfg: CoreConfig, loaded=None):
         core = EngineCore(ckpt.model, n_slots=slots, vocab_size=ckpt.tokenizer.vocab_size,
                           eos_id=ckpt.tokenizer.eot_id, prefill_chunk=cfg.prefill_chunk,
                           idle_prefill_chunk=cfg.idle_prefill_chunk, cuda_graphs=cfg.cuda_graphs,
-                          prefix_cache=cfg.prefix_cache, min_prefix=cfg.prefix_cache_min_tokens)
+                          prefix_cache=cfg.prefix_cache, min_prefix=cfg.prefix_cache_min_tokens,
+                          tokenizer=ckpt.tokenizer)  # structured output compiles grammars against it
     except (RuntimeError, ValueError) as e:  # e.g. the KV cache does not fit in memory
         raise StartupError(f"cannot allocate the KV cache ({slots} slots x {block} tokens): "
                            f"{type(e).__name__}: {e}") from None

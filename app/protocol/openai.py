@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -22,6 +22,33 @@ Stop = StopString | Annotated[list[StopString], Field(max_length=64)] | None
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool | None = Field(None, description="send a last chunk with the token counts")
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = {**STRICT, "populate_by_name": True}
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema", description="the JSON schema the output must follow")
+    strict: bool | None = Field(None, description="accepted; the output always follows the schema")
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="text: free text; json_object: any JSON object; json_schema: JSON that follows json_schema.schema")
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema")
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    model_config = {**STRICT, "populate_by_name": True}
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (object or text)")
+    regex: str | None = Field(None, description="the whole output matches this regex (Rust regex syntax)")
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None = Field(
+        None, description="the output is exactly one of these strings")
+    grammar: str | None = Field(None, description="a Lark grammar, or GBNF (llama.cpp's `root ::= ...`)")
+    json_object: bool | None = Field(None, description="true: any JSON object")
 
 
 class SamplingFields(BaseModel):
@@ -53,6 +80,9 @@ class SamplingFields(BaseModel):
         None, description="vLLM extension: generating one of these token ids ends the choice (finish_reason stop; "
         "the token's text is not part of the output)")
     best_of: only_off(int, 1, "only best_of=1 is supported", {"minimum": 1, "maximum": 1}) = None
+    response_format: ResponseFormat | None = Field(None, description="constrain the output to JSON (OpenAI)")
+    structured_outputs: StructuredOutputs | None = Field(None, description="constrain the output to a JSON schema, "
+                                                         "a regex, a grammar or a choice (vLLM)")
 
 
 class CompletionRequest(SamplingFields):
@@ -93,11 +123,6 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = STRICT
-    type: Literal["text"] = Field(description="only plain text is supported")
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT, description="deprecated name of max_completion_tokens")
@@ -105,7 +130,6 @@ class ChatCompletionRequest(SamplingFields):
                                               "and the server's GPT_DEFAULT_MAX_NEW_TOKENS allow")
     logprobs: bool | None = Field(None, description="return the chosen tokens' log-probabilities")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (with logprobs)")
-    response_format: ResponseFormat | None = None
     tools: only_off(list, [], "tools are not supported", {"maxItems": 0}) = None
     tool_choice: only_off(str, "none", "tools are not supported", {"enum": ["none", None]}) = None
     parallel_tool_calls: bool | None = None

@@ -11,6 +11,14 @@ from pydantic import BaseModel, Field
 from app.protocol.common import MAX_INT, STRICT, Seed, StopString, null_only, off_flag, only_off
 
 
+class TGIGrammar(BaseModel):
+    """TGI's `grammar`: the output follows a JSON schema or matches a regex."""
+
+    model_config = STRICT
+    type: Literal["json", "regex"]
+    value: dict[str, Any] | str = Field(description="json: a JSON schema (object or text); regex: the regex")
+
+
 class TGIParameters(BaseModel):
     model_config = STRICT
 
@@ -36,7 +44,7 @@ class TGIParameters(BaseModel):
                         {"minimum": 1, "maximum": 1}) = None
     best_of: only_off(int, 1, "only best_of=1 is supported", {"minimum": 1, "maximum": 1}) = None
     watermark: off_flag("watermarking is not supported") = None
-    grammar: null_only("grammar-constrained generation is not supported") = None
+    grammar: TGIGrammar | None = None
     adapter_id: null_only("adapters are not supported") = None
 
 

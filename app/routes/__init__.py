@@ -25,9 +25,9 @@ def authorized(request: Request, service: ServiceDep) -> None:
     service.check_auth(request)
 
 
-async def admit(service: Service, plan_fn, size: int):
+async def admit(service: Service, plan_fn, size: int, offload: bool = False):
     """Validate (the one pass: `plan_fn` builds the Plan) and admit every choice (the error handlers count
-    refusals)."""
+    refusals). `offload`: plan off the event loop whatever the size (a grammar to compile)."""
     service.check_open()
-    plan: Plan = plan_fn() if size < BIG_PROMPT else await run_in_threadpool(plan_fn)
+    plan: Plan = plan_fn() if size < BIG_PROMPT and not offload else await run_in_threadpool(plan_fn)
     return plan, service.submit(plan)

@@ -36,6 +36,12 @@ router = APIRouter(route_class=StrictJSONRoute, tags=["OpenAI"], dependencies=[D
 ERRORS = error_responses(400, 401, 413, 415, 429, 500, 503, 504, openai=True)
 
 
+def structured(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    """The request asks for a grammar: validation compiles it (off the event loop)."""
+    return body.structured_outputs is not None or (body.response_format is not None
+                                                   and body.response_format.type != "text")
+
+
 def finish(reason: FinishReason) -> str:
     return "length" if reason == FinishReason.LENGTH else "stop"
 
@@ -145,7 +151,8 @@ def completion_logprobs(tokens: list[TokenOut], offset: int, lp: dict | None = N
 async def completions(body: CompletionRequest, request: Request, service: ServiceDep) -> Response:
     size = len(body.prompt) if isinstance(body.prompt, str) else sum(
         len(p) if isinstance(p, (str, list)) else 1 for p in body.prompt)
-    plan, reqs = await admit(service, lambda: plan_completion(body, service.tokenizer, service.limits), size)
+    plan, reqs = await admit(service, lambda: plan_completion(body, service.tokenizer, service.limits), size,
+                             offload=structured(body))
     reply = Reply("text_completion", f"cmpl-{uuid.uuid4().hex}", service.model_name(), plan, request.url.path)
     prompt_of = {i * plan.n + j: p.text for i, p in enumerate(plan.prompts) for j in range(plan.n)}
     results = await answer(request.receive, reqs, completion_events(reply, reqs, prompt_of) if plan.stream else None,
@@ -234,7 +241,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
     size = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
                for m in body.messages)
     plan, reqs = await admit(service, lambda: plan_chat(body, service.tokenizer, service.limits,
-                                                         service.chat_template), size)
+                                                         service.chat_template), size, offload=structured(body))
     cid, path = f"chatcmpl-{uuid.uuid4().hex}", request.url.path
     lstrip = service.chat_template.lstrip_reply
     stream = (chat_events(Reply("chat.completion.chunk", cid, service.model_name(), plan, path), reqs, lstrip)

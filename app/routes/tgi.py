@@ -66,7 +66,7 @@ async def events(plan: Plan, req: RequestState, prefix: str, path: str) -> Async
 
 async def run(service: Service, request: Request, body: TGIRequest, stream: bool | None, as_list: bool) -> Response:
     plan, reqs = await admit(service, lambda: plan_tgi(body, service.tokenizer, service.limits, stream),
-                             len(body.inputs))
+                             len(body.inputs), offload=bool(body.parameters and body.parameters.grammar))
     prefix = plan.prompt_text if plan.return_full_text else ""
     results = await answer(request.receive, reqs, events(plan, reqs[0][1], prefix, request.url.path)
                            if plan.stream else None, service.settings.sse_ping_s)

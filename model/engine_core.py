@@ -166,7 +166,7 @@ class EngineCore:
             if len(slots) == 1:
                 idx = self.sampler.prompt_slice(slots[0], chunk.start, chunk.start + chunk.n).view(1, -1)
             else:  # the prompts are on the device already (written at admission)
-                idx = self.sampler.history[torch.tensor(slots, device=self.device), :chunk.n]
+                idx = self.sampler.history[torch.tensor(slots, device=self.device), chunk.start:chunk.start + chunk.n]
             scoring = [i for i, r in enumerate(chunk.reqs) if r.request.prompt_logprobs is not None]
             if scoring:  # the hidden states of every position, through the head in pieces
                 h = self.model.forward_cached(idx, self.cache, slots, hidden=True)

@@ -10,8 +10,9 @@ One step, as vLLM V1's `EngineCore.step` runs it: `schedule(now)` → the core e
 - Prefill: a budget of `prefill_chunk` prompt tokens per step, oldest admitted first. A long prompt takes
   several steps, so running streams wait at most one chunk between tokens. With no request decoding nobody
   waits for a token, so the budget is `idle_prefill_chunk` (larger: a long prompt in one pass reads the weights
-  once, not once per chunk). Whole prompts of equal length
-  that fit the budget together go in one forward pass (one read of the weights for all of them).
+  once, not once per chunk). Requests whose whole remaining prompts start at the same position and have the
+  same length (equal fresh prompts; a burst reusing one cached prefix) go in one forward pass within the budget
+  (one read of the weights for all of them).
 - Decode: every decoding request, one token each, in slots 0..n-1: the step reads the cache and the
   sampler's state through views, never a gather.
 - Contiguity: a request whose prompt completes samples its first token, then takes slot n (moving there,
@@ -304,9 +305,9 @@ class Scheduler:
             r = pending[i]
             n = int(min(budget, r.prompt_len - r.prefilled))
             group = [r]
-            if r.prefilled == 0 and n == r.prompt_len:
+            if n == r.prompt_len - r.prefilled:  # the rest of r's prompt: others at the same point may join it
                 for q in pending[i + 1:]:
-                    if q.prefilled or q.prompt_len != n or (len(group) + 1) * n > budget:
+                    if q.prefilled != r.prefilled or q.prompt_len - q.prefilled != n or (len(group) + 1) * n > budget:
                         break
                     group.append(q)
             step.prefills.append(Chunk(group, r.prefilled, n))

@@ -276,3 +276,23 @@ def test_stop_token_ids_and_min_tokens_end_requests_in_the_core(ckpt):
         core.add(EngineRequest("x", prompt, SamplingParams(stop_token_ids=[V]), seed=0))
     with pytest.raises(ValueError, match="logit_bias"):
         core.add(EngineRequest("y", prompt, SamplingParams(logit_bias={-1: 1.0}), seed=0))
+
+
+def test_a_burst_sharing_a_prefix_prefills_it_once_and_gives_the_fresh_tokens(ckpt):
+    tok = ckpt.tokenizer
+    system = tok.encode("SYSTEM: answer briefly, in verse. ")
+    prompts = [system + tok.encode(f"Q{i}: why?") for i in range(4)]  # equal tails: one batched pass after reuse
+
+    def run(on: bool):
+        core = EngineCore(ckpt.model, n_slots=4, vocab_size=tok.vocab_size, eos_id=None, prefill_chunk=64,
+                          prefix_cache=on, min_prefix=4)
+        reqs = [EngineRequest(str(i), p, SamplingParams(max_new_tokens=8, temperature=0.8, seed=i), seed=i, top_n=2)
+                for i, p in enumerate(prompts)]
+        return drive(core, reqs), core.stats()
+
+    (fresh, s0), (reused, s1) = run(False), run(True)
+    assert s1["prefix_hit_tokens"] >= 3 * 32 and s1["prompt_tokens"] == s0["prompt_tokens"] - s1["prefix_hit_tokens"]
+    assert s1["prefill_chunks"] == 2  # the first prompt, then the three tails together
+    for rid, outs in fresh.items():
+        assert [o.token_ids for o in reused[rid]] == [o.token_ids for o in outs]
+        assert [o.logprobs[0] for o in reused[rid]] == pytest.approx([o.logprobs[0] for o in outs], abs=1e-4)

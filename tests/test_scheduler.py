@@ -400,14 +400,16 @@ def test_a_burst_sharing_a_system_prompt_prefills_it_once():
     kv.compute(step)
     s.update(step, [D(5) for _ in step.sampled])
     computed = step.prefills[0].n
-    outs = {}
+    outs, chunks = {}, []
     while s.has_work():
         step, got = step_kv(s, kv)
         computed += sum(c.n * len(c.reqs) for c in step.prefills)
+        chunks += [(len(c.reqs), c.start, c.n) for c in step.prefills]
         for o in got:
             outs.setdefault(o.request_id, []).append(o)
     assert computed == 43 + 3 * 3  # the system prompt once; the others only their own 3-token tails
     assert [outs[f"r{i}"][0].cached_tokens for i in range(4)] == [0, 40, 40, 40] and s.hit_tokens == 3 * 40
+    assert chunks == [(1, 16, 16), (1, 32, 11), (3, 40, 3)]  # r0 in chunks, then the three tails in one pass
     assert all(len(v) == 3 for v in outs.values())
 
 

@@ -430,3 +430,21 @@ def test_masked_rows_draw_only_allowed_tokens_and_report_raw_logprobs(params):
             assert d.logprob == pytest.approx(torch.log_softmax(logits[row], -1)[d.token].item(), abs=1e-4)
     with pytest.raises(ValueError, match="bitmask"):
         s.step(torch.randn(B, V), range(B))
+
+
+@pytest.mark.parametrize("block", [12, 256])
+def test_blocks_with_no_allowed_token_get_no_mass(block):
+    """Masked rows: the blocks where the grammar allows nothing are dropped before the block draw (from the mask's
+    bytes when a block is whole bytes, else per token), so a sampled token is always allowed, even when the
+    allowed ones are far less likely than the rest."""
+    V, B = 300, 3
+    s = Sampler(B, V, 40, block_size=block)
+    for slot in range(B):
+        s.admit(slot, SamplingParams(temperature=1.5), [1], seed=slot, constrained=True)
+    allowed = torch.zeros(B, V, dtype=torch.bool)
+    allowed[:, [3, 150, 299]] = True
+    logits = torch.zeros(B, V)
+    logits[:, [3, 150, 299]] = -60.0  # 60 nats below every disallowed token
+    for _ in range(30):
+        for d in s.step(logits.clone(), range(B), _packed(allowed)):
+            assert d.token in (3, 150, 299)

@@ -41,6 +41,37 @@ def _onednn_linear_op():
 # no gradient: inference, and the full-recompute reference under no_grad. GPT_ONEDNN_LINEAR=0 turns it off.
 ONEDNN_LINEAR = _onednn_linear_op()
 
+# Which library wins at one or two rows depends on the CPU and the weight's shape: on an Intel Xeon with AVX-512 (2
+# cores, 2026-11-24) MKL's GEMV ran GPT-2 124M's block matmuls faster than oneDNN at one row (c_fc 0.19 vs 0.24 ms,
+# mlp c_proj 0.20 vs 0.32) but not the 50k-row output head (4.7 vs 4.3 ms), and oneDNN was ahead from 4 rows up;
+# on the AMD EPYC above MKL's GEMV used one core. So calls with <= SMALL_ROWS rows pick, per weight shape, the faster
+# of the two, timed once per process at the first such call (`GPT_SMALL_LINEAR`: auto, mkl or onednn for all).
+SMALL_ROWS = 2
+_FORCED_SMALL = {"mkl": "mkl", "onednn": "onednn"}.get(os.environ.get("GPT_SMALL_LINEAR", "auto"))
+_small_backend: dict[tuple[int, int], str] = {}
+
+
+def _pick_small_backend(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> str:
+    """Time F.linear (MKL) against oneDNN on this weight with one row, interleaved; MKL only if clearly faster."""
+    import time
+
+    x1 = x.reshape(-1, x.shape[-1])[:1].contiguous()
+    runs = {"mkl": lambda: F.linear(x1, w, b), "onednn": lambda: ONEDNN_LINEAR(x1, w, b, "none", [], "")}
+    calls = max(1, min(5, int(5e6 // w.numel())))  # ~20 ms a backend at most, even for a large output head
+    for f in runs.values():  # first calls set up threads and primitives
+        for _ in range(2):
+            f()
+    ratios = []
+    for _ in range(7):
+        t = {}
+        for name, f in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                f()
+            t[name] = time.perf_counter() - t0
+        ratios.append(t["mkl"] / t["onednn"])
+    return "mkl" if sorted(ratios)[len(ratios) // 2] < 0.9 else "onednn"
+
 
 def _post_op(act: nn.Module | None) -> tuple[str, str] | None:
     """The oneDNN post-op computing `act` inside the matmul, or None where there is none."""
@@ -62,6 +93,13 @@ def linear(x: torch.Tensor, layer: nn.Linear, act: nn.Module | None = None) -> t
     w, b = layer.weight, layer.bias
     if (ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32
             and w.dtype == torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        if x.numel() <= SMALL_ROWS * x.shape[-1]:
+            backend = _FORCED_SMALL or _small_backend.get(w.shape)
+            if backend is None:
+                backend = _small_backend[w.shape] = _pick_small_backend(x, w, b)
+            if backend == "mkl":
+                y = F.linear(x, w, b)
+                return act(y) if act is not None else y
         post = _post_op(act)
         if post is not None:
             return ONEDNN_LINEAR(x, w, b, post[0], [], post[1])

@@ -213,3 +213,27 @@ def test_static_decode_step_equals_the_dynamic_one(overrides):
     a = prefill(model, static, 3, prompts[3][2:])
     b = prefill(model, dynamic, 3, prompts[3][2:])
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["mkl", "onednn"])
+def test_small_row_linear_gives_the_same_result_through_either_library(backend, monkeypatch):
+    """Calls with <= SMALL_ROWS rows go to MKL or oneDNN per weight shape (timed once): both give F.linear's
+    result, activation included; the timing picks one of the two."""
+    import torch.nn.functional as F
+
+    import model.gpt as gpt
+
+    if gpt.ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 40)
+    monkeypatch.setattr(gpt, "_small_backend", {})
+    with torch.no_grad():
+        assert gpt._pick_small_backend(torch.randn(1, 48), layer.weight, layer.bias) in ("mkl", "onednn")
+        gpt._small_backend[layer.weight.shape] = backend
+        for shape in [(1, 48), (2, 48), (1, 1, 48)]:
+            x = torch.randn(*shape)
+            for act in (None, torch.nn.GELU(approximate="tanh")):
+                ref = F.linear(x, layer.weight, layer.bias)
+                ref = act(ref) if act is not None else ref
+                torch.testing.assert_close(gpt.linear(x, layer, act), ref, atol=1e-5, rtol=1e-5)

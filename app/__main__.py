@@ -89,6 +89,9 @@ class DrainingServer(uvicorn.Server):
             # ("terminate called without an active exception", SIGABRT).
             log.warning("second signal during the drain: exiting now, abandoning %d requests in flight",
                         self.service.engine.n_in_flight if self.service.engine else 0)
+            core = self.service.core
+            if core is not None and core.process is not None:
+                core.process.abandon()
             logging.shutdown()
             sys.stderr.flush()
             os._exit(0)

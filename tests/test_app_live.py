@@ -325,6 +325,13 @@ def test_python_m_app_serves_matches_model_sample_and_exits_0_on_sigterm(tiny_ck
 def test_second_sigterm_exits_at_once_with_status_0(tiny_ckpt):  # noqa: F811
     """A second signal during the drain exits at once, status 0, with a log line (was SIGABRT: 'terminate
     called without an active exception' while the engine thread was inside torch)."""
+    import glob
+    import tempfile
+
+    def core_dirs() -> set[str]:
+        return set(glob.glob(os.path.join(tempfile.gettempdir(), "gpt-core-*")))
+
+    before = core_dirs()
     proc, url = start_app_process(tiny_ckpt, "--max-batch-size", "1", env={"GPT_SHUTDOWN_TIMEOUT_S": "120"})
     try:
         async def load() -> None:  # one slot, 40 long requests: the drain would take many seconds
@@ -345,6 +352,7 @@ def test_second_sigterm_exits_at_once_with_status_0(tiny_ckpt):  # noqa: F811
         err = proc.stderr.read()
         assert "second signal" in err and "exiting now" in err
         assert "terminate called" not in err and "Traceback" not in err, err
+        assert core_dirs() <= before  # the core's socket directory is removed even on the way out at once
     finally:
         if proc.poll() is None:
             proc.kill()

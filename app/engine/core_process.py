@@ -282,3 +282,10 @@ class CoreProcess:
     def cleanup(self) -> None:
         self._conn.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def abandon(self) -> None:
+        """Kill the core without waiting and remove its socket directory: for a parent about to `os._exit` (a
+        second signal during the drain), which would otherwise leave the directory behind."""
+        if self.proc.pid is not None and self.proc.is_alive():
+            self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -282,9 +282,9 @@ class EngineCore:
                 self.sampler.step(logits, range(n))
                 logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
                 self.sampler.step(logits, range(n))
-                # and one row alone: a CPU picks its one-row matmul library per weight here (model.gpt.linear),
-                # not on the first request
-                self.model.forward_cached(self.sampler.last[:1, None], self.cache, range(1))
+                if self.device.type == "cpu":  # one row alone: a CPU picks its one-row matmul library per weight
+                    # here (model.gpt.linear), not during the first request
+                    self.model.forward_cached(self.sampler.last[:1, None], self.cache, range(1))
                 if self.cuda_graphs:
                     self._capture_graphs()
             if self.device.type == "cuda":

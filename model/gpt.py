@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 
 import torch
 import torch.nn as nn
@@ -53,8 +54,6 @@ _small_backend: dict[tuple[int, int], str] = {}
 
 def _pick_small_backend(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> str:
     """Time F.linear (MKL) against oneDNN on this weight with one row, interleaved; MKL only if clearly faster."""
-    import time
-
     x1 = x.reshape(-1, x.shape[-1])[:1].contiguous()
     runs = {"mkl": lambda: F.linear(x1, w, b), "onednn": lambda: ONEDNN_LINEAR(x1, w, b, "none", [], "")}
     calls = max(1, min(5, int(5e6 // w.numel())))  # ~20 ms a backend at most, even for a large output head

@@ -157,7 +157,7 @@ class Scheduler:
         self.free: list[int] = list(range(n_slots))  # sorted; every free slot is >= len(decoding)
         self.by_id: dict[str, Running] = {}
         self._ops: list[Op] = []  # recorded since the last schedule()
-        # prefix caching: what every slot holds, who holds it, when it was last used (LRU eviction)
+        # prefix caching: what every slot holds, and when it was last used (LRU eviction)
         self.prefix = PrefixIndex(n_slots, prefix_block) if prefix_cache else None
         self.min_prefix = min_prefix
         self.used_at = [0] * n_slots
@@ -414,19 +414,18 @@ class Scheduler:
             r.chain = self.prefix.chain(prompt)
         k, cands = self.prefix.match(prompt, r.chain) if reusable else (0, [])
         k = min(k, len(prompt) - 1)  # the last prompt token is always computed: its logits are sampled
-        if reusable and self._pending_prefix(r) - max(k, 0) >= max(self.min_prefix, self.prefix.block):
+        if reusable and self._pending_prefix(r) - k >= max(self.min_prefix, self.prefix.block):
             return False
+        free = set(self.free)
         src = None
         if k >= self.min_prefix:
-            free = set(self.free)
-            for s in sorted(cands, key=lambda s: s not in free):  # idle slots first: no copy needed
-                if self.prefix.holds(s, prompt, k):
-                    src = s
-                    break
+            # idle slots first (reused in place), then running ones (copied); the first that truly holds the prefix
+            src = next((s for s in sorted(cands, key=lambda s: s not in free) if self.prefix.holds(s, prompt, k)),
+                       None)
         if src is None:
             k = 0
         self._clock += 1
-        if src is not None and src in free:
+        if src in free:
             slot = src
             self.prefix.truncate(slot, k)
         else:
@@ -451,7 +450,7 @@ class Scheduler:
         best = 0
         limit = (len(r.request.prompt) - 1) // self.prefix.block
         for q in self.prefilling:
-            if q.chain is None or q.prefilled >= q.prompt_len:
+            if q.chain is None:  # it does not reuse, so its prompt was never hashed
                 continue
             n = 0
             for a, b in zip(r.chain[:limit], q.chain):

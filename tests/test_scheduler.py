@@ -328,23 +328,38 @@ def test_least_recently_used_idle_slots_are_overwritten_first():
     assert step.ops[-1][:2] == ("admit", oldest) and step.ops[-1][3] == 0
 
 
-def test_prefix_caching_off_is_the_old_scheduler_op_for_op():
+def op_trace(seed: int, steps: int = 80) -> list[list]:
+    """Random traffic (prompts of 1-20 tokens, aborts, EOS) through a scheduler with prefix caching off: per step its
+    ops and its prefill chunks, as plain lists."""
     import random
 
-    for seed in range(3):
-        a, b = Scheduler(4, prefill_chunk=8, eos_id=EOS), Scheduler(4, prefill_chunk=8, eos_id=EOS)
-        rng = random.Random(seed)
-        for t in range(60):
-            if rng.random() < 0.5:
-                r = preq(f"r{t}", [rng.randrange(3) for _ in range(rng.randint(1, 20))], max_new=rng.randint(1, 6))
-                a.add(r)
-                b.add(r)
-            sa, sb = a.schedule(float(t)), b.schedule(float(t))
-            assert sa.ops == sb.ops
-            draws = [D(EOS if rng.random() < 0.1 else 5) for _ in sa.sampled]
-            a.update(sa, draws)
-            b.update(sb, draws)
-        assert a.prefix is None and a.hit_tokens == 0
+    s = Scheduler(4, prefill_chunk=8, eos_id=EOS)
+    rng = random.Random(seed)
+    out = []
+    for t in range(steps):
+        if rng.random() < 0.5:
+            s.add(EngineRequest(f"r{t}", [rng.randrange(3) for _ in range(rng.randint(1, 20))],
+                                SamplingParams(max_new_tokens=rng.randint(1, 6)), seed=1))
+        if rng.random() < 0.08 and s.by_id:
+            s.abort([rng.choice(sorted(s.by_id))])
+        step = s.schedule(float(t))
+        ops = [["admit", op[1], op[2].request_id, op[3]] if op[0] == "admit" else list(op) for op in step.ops]
+        out.append(ops + [["prefill", [r.id for r in c.reqs], c.start, c.n] for c in step.prefills])
+        s.update(step, [D(EOS if rng.random() < 0.1 else 5) for _ in step.sampled])
+    return out
+
+
+def test_prefix_caching_off_is_the_old_scheduler_op_for_op():
+    """The off switch gives the behaviour from before prefix caching exactly: the same slot operations and prefill
+    chunks, step by step, as the scheduler of commit d8a63b4 produced on the same traffic (recorded in
+    tests/data/scheduler_ops_d8a63b4.json; its admit ops had no kept-prefix field: 0 here)."""
+    import json
+    from pathlib import Path
+
+    golden = json.loads((Path(__file__).parent / "data" / "scheduler_ops_d8a63b4.json").read_text())
+    for seed, expected in golden.items():
+        assert op_trace(int(seed)) == expected, seed
+    assert sum(len(step) for step in golden["0"]) > 100  # the traffic does admit, move, free and prefill
 
 
 @pytest.mark.parametrize("seed", range(6))

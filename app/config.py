@@ -68,7 +68,7 @@ class Settings(BaseSettings):
     shutdown_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may "
                                                               "take to finish")
     torch_threads: int | None = Field(None, ge=1, le=1024, description="CPU threads for torch ops "
-                                                                     "(default: torch's choice)")
+                                                                     "(default: every CPU the core may use)")
     warmup: bool = Field(True, description="run a short generation before /health reports ready")
     engine: Literal["process", "thread"] = Field(
         "process", description="where the engine core runs: its own process (the HTTP front never holds the "

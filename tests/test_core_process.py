@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from app.engine.core_process import CoreConfig, core_threads
 from tests.test_app_live import start_app_process, wait_until
 from tests.test_app_support import app_client, reference_generate, tiny_ckpt  # noqa: F401
 
@@ -193,3 +194,14 @@ def test_prompt_logprobs_and_biases_cross_the_process_boundary(tiny_ckpt):  # no
     assert got == threaded
     assert got[0]["choices"][0]["logprobs"]["token_logprobs"][0] is None and got[0]["choices"][0]["prompt_logprobs"]
     assert got[1]["choices"][0]["finish_reason"] == "length" and got[3]["details"]["prefill"][1]["logprob"] < 0
+
+
+def test_the_core_uses_every_cpu_by_default_and_the_flag_overrides_it(tiny_ckpt):  # noqa: F811
+    assert core_threads(CoreConfig(checkpoint="x")) == len(os.sched_getaffinity(0))
+    assert core_threads(CoreConfig(checkpoint="x", torch_threads=3)) == 3
+    proc, url = start_app_process(tiny_ckpt, "--torch-threads", "2")  # the last flag wins
+    try:
+        assert httpx.get(url + "/info").json()["torch_threads"] == 2
+    finally:
+        proc.terminate()
+        proc.wait(20)

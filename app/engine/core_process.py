@@ -43,7 +43,6 @@ class CoreConfig:
     """What the engine core needs from the server's settings (plain values: it crosses a process boundary)."""
 
     checkpoint: str
-    n_fronts: int = 1
     device: str = "auto"
     dtype: str = "auto"
     torch_threads: int | None = None
@@ -59,7 +58,7 @@ class CoreConfig:
 
     @classmethod
     def from_settings(cls, s) -> CoreConfig:
-        return cls(checkpoint=str(s.checkpoint), n_fronts=s.api_servers, device=s.device, dtype=s.dtype,
+        return cls(checkpoint=str(s.checkpoint), device=s.device, dtype=s.dtype,
                    torch_threads=s.torch_threads, max_batch_size=s.max_batch_size,
                    kv_cache_memory_fraction=s.kv_cache_memory_fraction,
                    prefill_chunk=s.prefill_chunk, idle_prefill_chunk=s.idle_prefill_chunk,
@@ -97,6 +96,8 @@ def load_model(cfg: CoreConfig):
 def build_core(cfg: CoreConfig, loaded=None):
     """The engine core for a loaded checkpoint (loading it when not given): (core, info, classify). The one place
     the server's settings become an EngineCore, for the core process and the in-process mode alike."""
+    import torch
+
     from app.config import DTYPE_NAMES, default_max_batch_size
     from model.engine_core import EngineCore
     from model.task_head import TaskError, load_task
@@ -121,6 +122,7 @@ def build_core(cfg: CoreConfig, loaded=None):
                            f"{type(e).__name__}: {e}") from None
     info: dict[str, Any] = {"device": str(device), "dtype": DTYPE_NAMES.get(dtype, str(dtype)), "n_params": n_params,
                             "max_batch_size": slots, "load_seconds": round(seconds, 2), "pid": os.getpid(),
+                            "torch_threads": torch.get_num_threads() if device.type == "cpu" else None,
                             "task": {"kind": task.kind, "labels": task.labels} if task is not None else None}
     classify = None
     if task is not None:
@@ -173,17 +175,32 @@ def _die_with_parent() -> None:
 
 
 def core_threads(cfg: CoreConfig) -> int:
-    """Torch threads of the core process: GPT_TORCH_THREADS, else every core but one per HTTP front (at least one),
-    as vLLM's CPU backend reserves a core for its API server. Measured on 2 cores (bench.stack, 1 stream of the
-    stack-ceiling model): 2 spinning OpenMP threads starved the front (49 tok/s, 105 ms stalls); passive waits
-    gave 421 tok/s; 1 thread gave 573 tok/s, above the in-thread engine's 501."""
-    return cfg.torch_threads or max(1, (os.cpu_count() or 1) - cfg.n_fronts)
+    """Torch threads of the core process: GPT_TORCH_THREADS, else every CPU this process may run on (as
+    llama-server's default), the fronts sharing them. With short OpenMP spins (run_core_process) the fronts'
+    per-token work no longer stalls the threads, so reserving a core for the front (vLLM's CPU default) costs more
+    than it saves. Measured on 2 cores (`python -m bench.stack --threads 1|2`, sampled, core process): stack-ceiling
+    model 699 / 699 tok/s at 1 stream, 3,715 / 3,688 at 16, 4,496 / 4,276 at 64 (1 / 2 threads); GPT-2 124M at
+    1 stream 23.6 / 43 tok/s."""
+    if cfg.torch_threads:
+        return cfg.torch_threads
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int) -> None:
     """The child's main: load, report to the parent through `conn`, then serve the fronts until told to stop."""
-    # OpenMP threads sleep instead of spinning between ops, so they never take the fronts' cores (before torch loads)
+    # OpenMP waits (read when torch loads libgomp, so before that): spin ~30,000 pause loops (a fraction of a
+    # millisecond), then sleep. Sleeping at once (OMP_WAIT_POLICY=PASSIVE alone) put both threads to sleep between
+    # every pair of ops: ~135 context switches per token, GPT-2 124M batch-1 decode 32 tok/s through the server
+    # against 43 in-process. Long spins (libgomp's default; OMP_WAIT_POLICY=ACTIVE spins for minutes) decode as
+    # fast but starved the front on tiny models (49 tok/s, 105 ms stalls) and burn a core while idle. Measured
+    # (2 cores, 2 threads, 200-token greedy streams): 32 tok/s passive; 42.7 / 43.0 / 42.4 with GOMP_SPINCOUNT
+    # 10k / 30k / 100k; an idle core uses no CPU with 300k or less. PASSIVE still applies where libgomp throttles
+    # (more OpenMP threads than CPUs): those never spin.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("GOMP_SPINCOUNT", "30000")
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cfg = CoreConfig(**cfg_dict)

@@ -69,6 +69,7 @@ async def info(service: ServiceDep) -> dict:
             "vocab_size": tok.vocab_size, "eos_token_id": tok.eot_id, "device": info.get("device"),
             "dtype": info.get("dtype"), "model_device_type": str(info.get("device", "")).split(":")[0],
             "model_dtype": info.get("dtype"), "engine_mode": service.settings.engine, "engine_pid": info.get("pid"),
+            "torch_threads": info.get("torch_threads"),
             "api_servers": service.settings.api_servers})
     if service.limits is not None:
         lim = service.limits

@@ -53,7 +53,8 @@ class EngineCore:
     def __init__(self, model: GPT, *, n_slots: int, vocab_size: int, eos_id: int | None = None,
                  max_len: int | None = None, prefill_chunk: int | None = None,
                  cuda_graphs: bool | None = None, pad_vocab: bool = True, prefix_cache: bool = False,
-                 min_prefix: int = 16, idle_prefill_chunk: int | None = None, tokenizer=None) -> None:
+                 min_prefix: int = 16, idle_prefill_chunk: int | None = None, tokenizer=None,
+                 prepack: bool = False) -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -63,6 +64,7 @@ class EngineCore:
         self.sampler = Sampler(n_slots, vocab_size, self.max_len, self.device, eos_id=eos_id)
         if pad_vocab:  # the sampler then reads the logits in place, as whole blocks (a server owns its model;
             model.pad_vocab(self.sampler.padded)  # the library leaves a caller's model as it is: it may train on)
+        self.packed_layers = model.prepack() if prepack and self.device.type == "cpu" else 0  # after pad_vocab
         # prefix caching (model.prefix_cache): off here; the server turns it on (GPT_PREFIX_CACHE)
         self.scheduler = Scheduler(n_slots, prefill_chunk, eos_id, prefix_cache=prefix_cache, min_prefix=min_prefix,
                                    idle_prefill_chunk=idle_prefill_chunk)
@@ -320,7 +322,8 @@ class EngineCore:
                 "prefill_chunks": self.prefill_chunks, "prompt_tokens": self.prompt_tokens,
                 "prefix_cache": s.prefix is not None, "prefix_hit_tokens": s.hit_tokens,
                 "prefix_copied_tokens": self.copied_tokens,
-                "generated_tokens": self.generated_tokens, "cuda_graphs": self._graphed is not None}
+                "generated_tokens": self.generated_tokens, "cuda_graphs": self._graphed is not None,
+                "prepacked_layers": self.packed_layers}
 
 
 class _StepMasks:

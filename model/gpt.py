@@ -85,7 +85,7 @@ def _post_op(act: nn.Module | None) -> tuple[str, str] | None:
 
 def linear(x: torch.Tensor, layer: nn.Linear, act: nn.Module | None = None) -> torch.Tensor:
     """act(layer(x)), through oneDNN when no gradient is needed on a CPU fp32 tensor (same math, faster;
-    the activation is fused into the matmul there)."""
+    the activation is fused into the matmul there), from the layer's prepacked weight where `prepack` made one."""
     if type(layer) is not nn.Linear:  # a swapped-in module (quantized, adapter, ...) does its own thing
         y = layer(x)
         return act(y) if act is not None else y
@@ -99,6 +99,9 @@ def linear(x: torch.Tensor, layer: nn.Linear, act: nn.Module | None = None) -> t
             if backend == "mkl":
                 y = F.linear(x, w, b)
                 return act(y) if act is not None else y
+        packed = layer.__dict__.get("_packed")
+        if packed is not None and packed[1] is w and packed[2] == w._version:  # else the weight changed since
+            w = packed[0]
         post = _post_op(act)
         if post is not None:
             return ONEDNN_LINEAR(x, w, b, post[0], [], post[1])
@@ -223,6 +226,26 @@ class GPT(nn.Module):
         self.lm_head.weight = wte.weight
         self.lm_head.out_features = size
         self.config = dataclasses.replace(self.config, vocab_size=size)
+
+    @torch.no_grad()
+    def prepack(self) -> int:
+        """Give every nn.Linear a copy of its weight in oneDNN's blocked layout (CPU, fp32; an inference-time
+        addition, as inductor's weight prepacking): from 3 rows up `linear` reads that copy instead of reordering
+        the plain weight on every call. Costs the weights' memory once more; a weight changed afterwards (in place
+        or replaced) is noticed and read plain again. Returns the layers packed (0 where oneDNN is not used).
+
+        Measured on 2 Xeon cores (GPT-2 124M, engine decode step, 2 threads): batch 16 51-53 -> 44 ms, batch 64
+        104-109 -> 97 ms; batch 1 unchanged (MKL's GEMV reads the plain weights there, `SMALL_ROWS`). A hint of the
+        batch size at packing time (inductor's static-shape case) was no faster at 16 and slower at 1."""
+        if ONEDNN_LINEAR is None:
+            return 0
+        n = 0
+        for m in self.modules():
+            if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32:
+                w = m.weight
+                m.__dict__["_packed"] = (torch.ops.mkldnn._reorder_linear_weight(w.detach()), w, w._version)
+                n += 1
+        return n
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters counted once (the head is tied); without position embeddings by default, as GPT-2 reports."""

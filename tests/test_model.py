@@ -237,3 +237,43 @@ def test_small_row_linear_gives_the_same_result_through_either_library(backend, 
                 ref = F.linear(x, layer.weight, layer.bias)
                 ref = act(ref) if act is not None else ref
                 torch.testing.assert_close(gpt.linear(x, layer, act), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prepacked_weights_give_the_plain_result_and_a_changed_weight_is_read_plain(monkeypatch):
+    """GPT.prepack gives each Linear a oneDNN-blocked copy that `linear` reads from 3 rows up: same result as
+    F.linear; after the weight changes in place or is replaced, the stale copy is not used."""
+    import torch.nn.functional as F
+
+    import model.gpt as gpt
+
+    if gpt.ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    torch.manual_seed(0)
+    model = tiny_model()
+    n = model.prepack()
+    assert n == sum(type(m) is torch.nn.Linear for m in model.modules()) > 0
+    layer = model.transformer.h[0].mlp.c_fc
+    assert "_packed" in layer.__dict__
+    calls = []
+    real = gpt.ONEDNN_LINEAR
+    monkeypatch.setattr(gpt, "ONEDNN_LINEAR", lambda x, w, *a: calls.append(w.is_mkldnn) or real(x, w, *a))
+    act = torch.nn.GELU(approximate="tanh")
+    with torch.no_grad():
+        x = torch.randn(2, 5, layer.in_features)
+        torch.testing.assert_close(gpt.linear(x, layer, act), act(F.linear(x, layer.weight, layer.bias)),
+                                   atol=1e-5, rtol=1e-5)
+        assert calls == [True]  # the packed copy was read
+        layer.weight.mul_(2)  # in place: the copy is stale
+        torch.testing.assert_close(gpt.linear(x, layer), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))  # replaced
+        torch.testing.assert_close(gpt.linear(x, layer), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert calls == [True, False, False]
+    # cached decode from packed weights equals the full recompute of the same model unpacked
+    model, plain = tiny_model(), tiny_model()
+    model.prepack()
+    idx = torch.randint(0, model.config.vocab_size, (3, 9))
+    with torch.no_grad():
+        full, _ = plain(idx)
+        cache = KVCache(model.config, 3, 16)
+        cached = model.forward_cached(idx, cache, [0, 1, 2], all_logits=True)
+    torch.testing.assert_close(cached, full, atol=1e-4, rtol=1e-4)

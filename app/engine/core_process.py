@@ -52,6 +52,7 @@ class CoreConfig:
     idle_prefill_chunk: int = 2048
     prefix_cache: bool = True
     prefix_cache_min_tokens: int = 16
+    prepack_weights: bool = True
     warmup: bool = True
     cuda_graphs: bool | None = None
     log_level: str = "info"
@@ -63,7 +64,8 @@ class CoreConfig:
                    kv_cache_memory_fraction=s.kv_cache_memory_fraction,
                    prefill_chunk=s.prefill_chunk, idle_prefill_chunk=s.idle_prefill_chunk,
                    prefix_cache=s.prefix_cache,
-                   prefix_cache_min_tokens=s.prefix_cache_min_tokens, warmup=s.warmup, cuda_graphs=s.cuda_graphs,
+                   prefix_cache_min_tokens=s.prefix_cache_min_tokens, prepack_weights=s.prepack_weights,
+                   warmup=s.warmup, cuda_graphs=s.cuda_graphs,
                    log_level=s.log_level)
 
 
@@ -116,6 +118,7 @@ def build_core(cfg: CoreConfig, loaded=None):
                           eos_id=ckpt.tokenizer.eot_id, prefill_chunk=cfg.prefill_chunk,
                           idle_prefill_chunk=cfg.idle_prefill_chunk, cuda_graphs=cfg.cuda_graphs,
                           prefix_cache=cfg.prefix_cache, min_prefix=cfg.prefix_cache_min_tokens,
+                          prepack=cfg.prepack_weights,
                           tokenizer=ckpt.tokenizer)  # structured output compiles grammars against it
     except (RuntimeError, ValueError) as e:  # e.g. the KV cache does not fit in memory
         raise StartupError(f"cannot allocate the KV cache ({slots} slots x {block} tokens): "

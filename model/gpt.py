@@ -100,14 +100,32 @@ def linear(x: torch.Tensor, layer: nn.Linear, act: nn.Module | None = None) -> t
                 y = F.linear(x, w, b)
                 return act(y) if act is not None else y
         packed = layer.__dict__.get("_packed")
-        if packed is not None and packed[1] is w and packed[2] == w._version:  # else the weight changed since
-            w = packed[0]
+        if packed is not None and packed.source is w and packed.version == w._version:  # else w changed since
+            w = packed.weight
         post = _post_op(act)
         if post is not None:
             return ONEDNN_LINEAR(x, w, b, post[0], [], post[1])
         return act(ONEDNN_LINEAR(x, w, b, "none", [], ""))
     y = F.linear(x, w, b)
     return act(y) if act is not None else y
+
+
+class _PackedWeight:
+    """A Linear weight in oneDNN's blocked layout (GPT.prepack), with the weight and version it was made from. An
+    opaque tensor cannot be copied or pickled: a deep copy or a pickled model gets None (it reads plain weights)."""
+
+    __slots__ = ("weight", "source", "version")
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+        self.source, self.version = w, w._version
+
+    def __reduce__(self):
+        return _no_packed_weight, ()
+
+
+def _no_packed_weight() -> None:
+    return None
 
 
 class CausalSelfAttention(nn.Module):
@@ -242,8 +260,7 @@ class GPT(nn.Module):
         n = 0
         for m in self.modules():
             if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32:
-                w = m.weight
-                m.__dict__["_packed"] = (torch.ops.mkldnn._reorder_linear_weight(w.detach()), w, w._version)
+                m.__dict__["_packed"] = _PackedWeight(m.weight)
                 n += 1
         return n
 

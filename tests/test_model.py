@@ -268,6 +268,16 @@ def test_prepacked_weights_give_the_plain_result_and_a_changed_weight_is_read_pl
         layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))  # replaced
         torch.testing.assert_close(gpt.linear(x, layer), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
     assert calls == [True, False, False]
+    # a copy (deep or pickled) reads its own plain weights
+    import copy
+    import io
+
+    copied = copy.deepcopy(model)
+    assert copied.transformer.h[0].mlp.c_fc.__dict__["_packed"] is None
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=False).transformer.h[0].mlp.c_fc.__dict__["_packed"] is None
     # cached decode from packed weights equals the full recompute of the same model unpacked
     model, plain = tiny_model(), tiny_model()
     model.prepack()

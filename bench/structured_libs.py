@@ -37,6 +37,23 @@ def load_tokenizer(name: str):
     return Tokenizer.named(name)
 
 
+def timed_walk(fill, accept, mask, tokens: list[int], eos: int) -> tuple[list[float], list[float], bool]:
+    """Walk a document's tokens and EOS through a matcher: fill() writes the next token's packed mask into mask
+    (1, words), accept(t) takes t. Returns seconds per fill, per accept, and whether every token was allowed and
+    accepted (the caller adds the library's own end-of-grammar check)."""
+    fills, accepts, ok = [], [], True
+    for t in [*tokens, eos]:
+        t0 = time.perf_counter()
+        fill()
+        t1 = time.perf_counter()
+        ok &= bool((mask[0, t // 32] >> (t % 32)) & 1)
+        t2 = time.perf_counter()
+        ok &= bool(accept(t))
+        accepts.append(time.perf_counter() - t2)
+        fills.append(t1 - t0)
+    return fills, accepts, ok
+
+
 # ---------------------------------------------------------------------------------------------- adapters
 class XGrammar:
     name = "xgrammar"
@@ -57,21 +74,9 @@ class XGrammar:
         return c.compile_regex(value)
 
     def walk(self, compiled, tokens: list[int], eos: int) -> tuple[list[float], list[float], bool]:
-        import torch
-
         m = self.xgr.GrammarMatcher(compiled)
         mask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
-        fills, accepts, ok = [], [], True
-        for t in [*tokens, eos]:
-            t0 = time.perf_counter()
-            m.fill_next_token_bitmask(mask, 0)
-            t1 = time.perf_counter()
-            ok &= bool((mask[0, t // 32] >> (t % 32)) & 1)
-            t2 = time.perf_counter()
-            ok &= m.accept_token(t)
-            accepts.append(time.perf_counter() - t2)
-            fills.append(t1 - t0)
-        del torch
+        fills, accepts, ok = timed_walk(lambda: m.fill_next_token_bitmask(mask, 0), m.accept_token, mask, tokens, eos)
         return fills, accepts, ok and m.is_terminated()
 
 
@@ -100,16 +105,8 @@ class LLGuidance:
 
         m = self.llg.LLMatcher(self.tok, grammar, log_level=0)
         mask = lt.allocate_token_bitmask(1, self.vocab_size)
-        fills, accepts, ok = [], [], True
-        for t in [*tokens, eos]:
-            t0 = time.perf_counter()
-            lt.fill_next_token_bitmask(m, mask, 0)
-            t1 = time.perf_counter()
-            ok &= bool((mask[0, t // 32] >> (t % 32)) & 1)
-            t2 = time.perf_counter()
-            ok &= m.consume_token(t)
-            accepts.append(time.perf_counter() - t2)
-            fills.append(t1 - t0)
+        fills, accepts, ok = timed_walk(lambda: lt.fill_next_token_bitmask(m, mask, 0), m.consume_token, mask,
+                                        tokens, eos)
         return fills, accepts, ok and not m.is_error()
 
 

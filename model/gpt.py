@@ -253,8 +253,9 @@ class GPT(nn.Module):
         or replaced) is noticed and read plain again. Returns the layers packed (0 where oneDNN is not used).
 
         Measured on 2 Xeon cores (GPT-2 124M, engine decode step, 2 threads): batch 16 51-53 -> 44 ms, batch 64
-        104-109 -> 97 ms; batch 1 unchanged (MKL's GEMV reads the plain weights there, `SMALL_ROWS`). A hint of the
-        batch size at packing time (inductor's static-shape case) was no faster at 16 and slower at 1."""
+        104-109 -> 97 ms; batch 1 unchanged (MKL's GEMV reads the plain weights there, `SMALL_ROWS`). Packing with a
+        batch-size hint (inductor's static-shape case) did not help: a hint of 16 ran batch 16 no faster (45 ms), a
+        hint of 1 was no better than plain weights at 16 and 64."""
         if ONEDNN_LINEAR is None:
             return 0
         n = 0

@@ -432,6 +432,67 @@ def test_masked_rows_draw_only_allowed_tokens_and_report_raw_logprobs(params):
         s.step(torch.randn(B, V), range(B))
 
 
+# a grammar allows these of PROBS' tokens (the most likely one not among them)
+ALLOWED = torch.tensor([0, 1, 1, 0, 1, 1, 0, 1, 0, 1, 1, 0, 1], dtype=torch.bool)
+
+
+def masked_draws(logits: torch.Tensor, allowed: torch.Tensor, params: dict, rows: int = 250, steps: int = 16,
+                 block: int = 4) -> torch.Tensor:
+    """Counts per token over rows × steps draws of constrained requests (each its own seed) under one mask."""
+    V = logits.numel()
+    s = Sampler(rows, V, steps + 1, block_size=block)
+    for i in range(rows):
+        s.admit(i, SamplingParams(**params), [0], seed=1000 + i, constrained=True)
+    bitmask = _packed(allowed.expand(rows, V))
+    counts = torch.zeros(V)
+    for _ in range(steps):
+        for d in s.step(logits.expand(rows, V).contiguous(), range(rows), bitmask):
+            counts[d.token] += 1
+    return counts
+
+
+def masked_reference(logits: torch.Tensor, allowed: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.masked_fill(~allowed, float("-inf")) / temperature, -1)
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.6),
+                                    dict(temperature=1.0, top_p=0.75), dict(temperature=0.8, top_k=3)])
+@pytest.mark.parametrize("shift", [0.0, -150.0], ids=["near", "far below"])
+def test_masked_sampling_follows_the_renormalized_allowed_distribution(params, shift):
+    """The mask multiplies exp(z − max z) (Sampler._mask); 'far below': the allowed tokens lie 150 nats under
+    the disallowed ones, so their exp underflows and the rows are recomputed from their allowed max
+    (_rescue_underflow). Both must give softmax over the allowed tokens, then top-k / top-p."""
+    logits = PROBS.log() + torch.where(ALLOWED, shift, 0.0)
+    expected = masked_reference(logits, ALLOWED, params["temperature"])
+    if "top_p" in params:
+        expected = nucleus(expected, params["top_p"])
+    if "top_k" in params:
+        expected = top_k_filter(expected, params["top_k"])
+    assert_follows(masked_draws(logits, ALLOWED, params), expected)
+
+
+@pytest.mark.parametrize("shift", [0.0, -150.0])
+def test_masked_greedy_is_the_best_allowed_token(shift):
+    logits = PROBS.log() + torch.where(ALLOWED, shift, 0.0)
+    counts = masked_draws(logits, ALLOWED, dict(temperature=0.0), rows=4, steps=2)
+    assert counts[1] == 8
+
+
+def test_low_temperature_masked_rows_never_draw_a_disallowed_or_padding_token():
+    """exp(d / T) is clamped at EXP_FLOOR (torch's CPU exp is slow where it underflows): clamped entries, the
+    padding columns included, must still never be drawn by a constrained row."""
+    V, B = 300, 8
+    s = Sampler(B, V, 40)
+    for slot in range(B):
+        s.admit(slot, SamplingParams(temperature=0.05), [1], seed=slot, constrained=True)
+    g = torch.Generator().manual_seed(3)
+    allowed = torch.rand(B, V, generator=g) < 0.5
+    for _ in range(30):
+        logits = torch.randn(B, V, generator=g) * 10
+        for row, d in enumerate(s.step(logits, range(B), _packed(allowed))):
+            assert d.token < V and allowed[row, d.token]
+
+
 @pytest.mark.parametrize("block", [12, 256])
 def test_blocks_with_no_allowed_token_get_no_mass(block):
     """Masked rows: the blocks where the grammar allows nothing are dropped before the block draw (from the mask's

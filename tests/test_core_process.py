@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from app.engine.core_process import CoreConfig, core_threads
+from app.engine.core_process import CoreConfig, core_threads, keep_freed_memory
 from tests.test_app_live import start_app_process, wait_until
 from tests.test_app_support import app_client, reference_generate, tiny_ckpt  # noqa: F401
 
@@ -201,7 +201,14 @@ def test_the_core_uses_every_cpu_by_default_and_the_flag_overrides_it(tiny_ckpt)
     assert core_threads(CoreConfig(checkpoint="x", torch_threads=3)) == 3
     proc, url = start_app_process(tiny_ckpt, "--torch-threads", "2")  # the last flag wins
     try:
-        assert httpx.get(url + "/info").json()["torch_threads"] == 2
+        info = httpx.get(url + "/info").json()
+        assert info["torch_threads"] == 2
+        assert info["malloc_keeps_freed_memory"] is True  # glibc here: the core process keeps freed blocks
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_the_malloc_tuning_leaves_glibcs_own_settings_alone(monkeypatch):
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert keep_freed_memory() is False

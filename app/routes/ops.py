@@ -70,6 +70,7 @@ async def info(service: ServiceDep) -> dict:
             "dtype": info.get("dtype"), "model_device_type": str(info.get("device", "")).split(":")[0],
             "model_dtype": info.get("dtype"), "engine_mode": service.settings.engine, "engine_pid": info.get("pid"),
             "torch_threads": info.get("torch_threads"),
+            "malloc_keeps_freed_memory": info.get("malloc_keeps_freed_memory"),
             "api_servers": service.settings.api_servers})
     if service.limits is not None:
         lim = service.limits

@@ -231,6 +231,7 @@ class Scheduler:
         outputs = list(step.ended)
         joining: list[Running] = []
         completed = {id(r) for c in step.prefills if c.completes for r in c.reqs}
+        done: list[Running] = []
         for r, d in zip(step.sampled, draws):
             if self.by_id.get(r.id) is not r:  # ended meanwhile (cannot happen within one step; kept safe)
                 continue
@@ -254,9 +255,10 @@ class Scheduler:
             outputs.append(out)
             if finish is not None:
                 del self.by_id[r.id]
-                self._release(r)
+                done.append(r)
             elif id(r) in completed:
                 joining.append(r)
+        self._release_many(done)
         for c in step.prefills:  # prompts scored only: done once prefilled
             if c.completes:
                 for r in c.reqs:
@@ -355,6 +357,20 @@ class Scheduler:
         self.prefilling, self.decoding = [], []
         self.free = list(range(self.n_slots))
         return holders
+
+    def _release_many(self, done: list[Running]) -> None:
+        """The requests of one step that end leave with the fewest moves: a leaving request in the last decoding
+        slot goes first (nothing moves); otherwise the lowest one leaves and the last request, which stays, moves
+        into its slot. In step order, a request moved down could leave next and move again: when 32 streams ended
+        together that was ~27 swaps of caches that were leaving anyway (47 ms of copies in the next step, GPT-2
+        124M on 2 cores)."""
+        decoding = {id(q) for q in self.decoding}
+        for r in done:
+            if id(r) not in decoding:  # prefilling: nothing moves
+                self._release(r)
+        done = sorted((q for q in done if id(q) in decoding), key=lambda q: q.slot)
+        while done:  # (done[-1] holds the highest decoding slot of those leaving)
+            self._release(done.pop() if done[-1] is self.decoding[-1] else done.pop(0))
 
     def _release(self, r: Running) -> None:
         """r leaves its slot; the last decoding request takes the freed slot so slots stay 0..n-1 (with prefix

@@ -290,8 +290,8 @@ class EngineCore:
                     self.model.forward_cached(self.sampler.last[:1, None], self.cache, range(1))
                 # the longest prompt one step prefills, once (vLLM's start-up profile run does the same): the heap
                 # grows to it here, not during the first long request (the core process keeps freed memory,
-                # app/engine/core_process.py). GPT-2 124M, 2 CPU cores: +0.6 s of start-up; the first distinct
-                # 512-token prompt's TTFT 372-429 -> ~300 ms, as the prompts after it
+                # app/engine/core_process.py). GPT-2 124M, 2 CPU cores: +0.6 s of start-up; a fresh server's first
+                # distinct 512-token prompt 294-350 ms against ~300-320 for those after it (372-429 ms before)
                 longest = min(self.max_len, self.scheduler.idle_prefill_chunk or self.max_len)
                 if longest > 2:
                     self.cache.reset(0)

@@ -246,6 +246,7 @@ def test_drain_timeout_ends_each_open_stream_with_an_error_event(tiny_ckpt, capl
     for route in ("/v1/completions", "/v1/chat/completions"):
         events = sse_events(results[route])
         assert events[-1] == "[DONE]", route
+        assert "error" in events[-2], (route, events[-3:])
         err = events[-2]["error"]
         assert err["code"] == "unavailable" and err["type"] == "server_error" and "shut down" in err["message"]
     assert "drain timed out" in caplog.text

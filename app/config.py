@@ -62,9 +62,9 @@ class Settings(BaseSettings):
                                "prefilled from scratch")
     prefix_cache_min_tokens: int = Field(16, ge=1, description="shortest prefix worth reusing (matched in whole "
                                          "blocks of 16 tokens, then token by token)")
-    prepack_weights: bool = Field(True, description="CPU fp32: keep a second copy of the weights in oneDNN's blocked "
-                                  "layout for batched matmuls (GPT.prepack; ~15% faster at 16 streams, costs the "
-                                  "weights' memory once more)")
+    prepack_weights: bool = Field(True, description="CPU fp32: keep two more copies of the weights, in oneDNN's "
+                                  "blocked layout for batched matmuls and column-major for one-row GEMVs (GPT.prepack; "
+                                  "~15% faster at 16 streams, ~7% at batch 1; costs the weights' memory twice more)")
     max_stop_sequences: int = Field(16, ge=0)
     max_stop_length: int = Field(256, ge=1, description="characters per stop sequence")
     max_top_n_tokens: int = Field(5, ge=0, description="cap on top_n_tokens / logprobs alternatives")

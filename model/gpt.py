@@ -49,14 +49,15 @@ ONEDNN_LINEAR = _onednn_linear_op()
 # of the two, timed once per process at the first such call (`GPT_SMALL_LINEAR`: auto, mkl or onednn for all).
 SMALL_ROWS = 2
 _FORCED_SMALL = {"mkl": "mkl", "onednn": "onednn"}.get(os.environ.get("GPT_SMALL_LINEAR", "auto"))
-_small_backend: dict[tuple[int, int], str] = {}
+_small_backend: dict[tuple, str] = {}
 
 
-def _pick_small_backend(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> str:
-    """Time F.linear (MKL) against oneDNN on this weight with one row, interleaved; MKL only if clearly faster."""
+def _pick_small_backend(x: torch.Tensor, w_mkl: torch.Tensor, w_onednn: torch.Tensor, b: torch.Tensor | None) -> str:
+    """Time F.linear (MKL) against oneDNN, each on the weight it would read, with one row, interleaved; MKL only if
+    clearly faster."""
     x1 = x.reshape(-1, x.shape[-1])[:1].contiguous()
-    runs = {"mkl": lambda: F.linear(x1, w, b), "onednn": lambda: ONEDNN_LINEAR(x1, w, b, "none", [], "")}
-    calls = max(1, min(5, int(5e6 // w.numel())))  # ~20 ms a backend at most, even for a large output head
+    runs = {"mkl": lambda: F.linear(x1, w_mkl, b), "onednn": lambda: ONEDNN_LINEAR(x1, w_onednn, b, "none", [], "")}
+    calls = max(1, min(5, int(5e6 // w_mkl.numel())))  # ~20 ms a backend at most, even for a large output head
     for f in runs.values():  # first calls set up threads and primitives
         for _ in range(2):
             f()
@@ -92,15 +93,21 @@ def linear(x: torch.Tensor, layer: nn.Linear, act: nn.Module | None = None) -> t
     w, b = layer.weight, layer.bias
     if (ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32
             and w.dtype == torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-        if x.numel() <= SMALL_ROWS * x.shape[-1]:
-            backend = _FORCED_SMALL or _small_backend.get(w.shape)
-            if backend is None:
-                backend = _small_backend[w.shape] = _pick_small_backend(x, w, b)
-            if backend == "mkl":
-                y = F.linear(x, w, b)
-                return act(y) if act is not None else y
         packed = layer.__dict__.get("_packed")
-        if packed is not None and packed.source is w and packed.version == w._version:  # else w changed since
+        if packed is not None and (packed.source is not w or packed.version != w._version):
+            packed = None  # w changed since the copies were made: read it plain
+        rows = x.numel() // x.shape[-1]
+        if rows <= SMALL_ROWS:
+            # one row: MKL's GEMV reads prepack's column-major copy faster than the plain weight (not at two rows)
+            w_mkl = packed.column_major if packed is not None and rows == 1 else w
+            key = (w.shape, w_mkl is not w)
+            backend = _FORCED_SMALL or _small_backend.get(key)
+            if backend is None:
+                backend = _small_backend[key] = _pick_small_backend(x, w_mkl, packed.weight if packed else w, b)
+            if backend == "mkl":
+                y = F.linear(x, w_mkl, b)
+                return act(y) if act is not None else y
+        if packed is not None:
             w = packed.weight
         post = _post_op(act)
         if post is not None:
@@ -111,13 +118,15 @@ def linear(x: torch.Tensor, layer: nn.Linear, act: nn.Module | None = None) -> t
 
 
 class _PackedWeight:
-    """A Linear weight in oneDNN's blocked layout (GPT.prepack), with the weight and version it was made from. An
-    opaque tensor cannot be copied or pickled: a deep copy or a pickled model gets None (it reads plain weights)."""
+    """A Linear weight in oneDNN's blocked layout and column-major (GPT.prepack), with the weight and version they
+    were made from. An opaque tensor cannot be copied or pickled: a deep copy or a pickled model gets None (it reads
+    plain weights)."""
 
-    __slots__ = ("weight", "source", "version")
+    __slots__ = ("weight", "column_major", "source", "version")
 
     def __init__(self, w: torch.Tensor) -> None:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+        self.column_major = w.detach().t().contiguous().t()  # the same (out, in) tensor, its transpose in memory
         self.source, self.version = w, w._version
 
     def __reduce__(self):
@@ -255,7 +264,14 @@ class GPT(nn.Module):
         Measured on 2 Xeon cores (GPT-2 124M, engine decode step, 2 threads): batch 16 51-53 -> 44 ms, batch 64
         104-109 -> 97 ms; batch 1 unchanged (MKL's GEMV reads the plain weights there, `SMALL_ROWS`). Packing with a
         batch-size hint (inductor's static-shape case) did not help: a hint of 16 ran batch 16 no faster (45 ms), a
-        hint of 1 was no better than plain weights at 16 and 64."""
+        hint of 1 was no better than plain weights at 16 and 64.
+
+        Each weight also gets a column-major copy (the same (out, in) tensor, its transpose contiguous): at one row
+        MKL's GEMV reads that layout faster. GPT-2 124M's 48 block matmuls, cycling through all weights as decode
+        does: 12.0 -> 10.9 ms at one row (30 -> 33 GB/s), while at two rows it is 19.8 ms against 13.3 plain (so two
+        rows keep reading the plain weight). A batch-1 decode step 23.1 -> 21.4 ms (medians of 9 runs in 3
+        processes each, interleaved; 2 Xeon cores, 2026-11-24, /tmp/p20/b12.py); batch 2 unchanged (24.8). The
+        price: the weights' memory a third time (GPT-2 124M: +0.5 GB)."""
         if ONEDNN_LINEAR is None:
             return 0
         n = 0

@@ -215,10 +215,12 @@ def test_static_decode_step_equals_the_dynamic_one(overrides):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("prepacked", [False, True])
 @pytest.mark.parametrize("backend", ["mkl", "onednn"])
-def test_small_row_linear_gives_the_same_result_through_either_library(backend, monkeypatch):
+def test_small_row_linear_gives_the_same_result_through_either_library(backend, prepacked, monkeypatch):
     """Calls with <= SMALL_ROWS rows go to MKL or oneDNN per weight shape (timed once): both give F.linear's
-    result, activation included; the timing picks one of the two."""
+    result, activation included; the timing picks one of the two. Prepacked, MKL reads the column-major copy at
+    one row and the plain weight at two."""
     import torch.nn.functional as F
 
     import model.gpt as gpt
@@ -227,16 +229,26 @@ def test_small_row_linear_gives_the_same_result_through_either_library(backend, 
         pytest.skip("this torch build has no oneDNN linear")
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 40)
+    if prepacked:
+        layer.__dict__["_packed"] = gpt._PackedWeight(layer.weight)
+    real_linear = F.linear
+    mkl_reads = []  # whether each MKL call read a column-major weight
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: mkl_reads.append(not w.is_contiguous()) or real_linear(x, w, b))
     monkeypatch.setattr(gpt, "_small_backend", {})
     with torch.no_grad():
-        assert gpt._pick_small_backend(torch.randn(1, 48), layer.weight, layer.bias) in ("mkl", "onednn")
-        gpt._small_backend[layer.weight.shape] = backend
+        assert gpt._pick_small_backend(torch.randn(1, 48), layer.weight, layer.weight, layer.bias) in ("mkl", "onednn")
+        monkeypatch.setattr(gpt, "_FORCED_SMALL", backend)
+        mkl_reads.clear()
         for shape in [(1, 48), (2, 48), (1, 1, 48)]:
             x = torch.randn(*shape)
             for act in (None, torch.nn.GELU(approximate="tanh")):
-                ref = F.linear(x, layer.weight, layer.bias)
+                ref = real_linear(x, layer.weight, layer.bias)
                 ref = act(ref) if act is not None else ref
                 torch.testing.assert_close(gpt.linear(x, layer, act), ref, atol=1e-5, rtol=1e-5)
+    if backend == "onednn":
+        assert mkl_reads == []
+    else:  # one row, two rows, one row; each with and without the activation
+        assert mkl_reads == [prepacked] * 2 + [False] * 2 + [prepacked] * 2
 
 
 def test_prepacked_weights_give_the_plain_result_and_a_changed_weight_is_read_plain(monkeypatch):
@@ -263,11 +275,17 @@ def test_prepacked_weights_give_the_plain_result_and_a_changed_weight_is_read_pl
         torch.testing.assert_close(gpt.linear(x, layer, act), act(F.linear(x, layer.weight, layer.bias)),
                                    atol=1e-5, rtol=1e-5)
         assert calls == [True]  # the packed copy was read
-        layer.weight.mul_(2)  # in place: the copy is stale
+        monkeypatch.setattr(gpt, "_FORCED_SMALL", "mkl")
+        x1 = torch.randn(1, layer.in_features)  # one row: MKL reads the column-major copy
+        torch.testing.assert_close(gpt.linear(x1, layer), F.linear(x1, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        calls.clear()
+        layer.weight.mul_(2)  # in place: the copies are stale
         torch.testing.assert_close(gpt.linear(x, layer), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gpt.linear(x1, layer), F.linear(x1, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
         layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))  # replaced
         torch.testing.assert_close(gpt.linear(x, layer), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
-    assert calls == [True, False, False]
+        torch.testing.assert_close(gpt.linear(x1, layer), F.linear(x1, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert True not in calls
     # a copy (deep or pickled) reads its own plain weights
     import copy
     import io

@@ -233,7 +233,8 @@ def test_small_row_linear_gives_the_same_result_through_either_library(backend, 
         layer.__dict__["_packed"] = gpt._PackedWeight(layer.weight)
     real_linear = F.linear
     mkl_reads = []  # whether each MKL call read a column-major weight
-    monkeypatch.setattr(F, "linear", lambda x, w, b=None: mkl_reads.append(not w.is_contiguous()) or real_linear(x, w, b))
+    monkeypatch.setattr(F, "linear",
+                        lambda x, w, b=None: mkl_reads.append(not w.is_contiguous()) or real_linear(x, w, b))
     monkeypatch.setattr(gpt, "_small_backend", {})
     with torch.no_grad():
         assert gpt._pick_small_backend(torch.randn(1, 48), layer.weight, layer.weight, layer.bias) in ("mkl", "onednn")

@@ -42,12 +42,14 @@ def _onednn_linear_op():
 # no gradient: inference, and the full-recompute reference under no_grad. GPT_ONEDNN_LINEAR=0 turns it off.
 ONEDNN_LINEAR = _onednn_linear_op()
 
-# Which library wins at one or two rows depends on the CPU and the weight's shape: on an Intel Xeon with AVX-512 (2
+# Which library wins at one to three rows depends on the CPU and the weight's shape: on an Intel Xeon with AVX-512 (2
 # cores, 2026-11-24) MKL's GEMV ran GPT-2 124M's block matmuls faster than oneDNN at one row (c_fc 0.19 vs 0.24 ms,
-# mlp c_proj 0.20 vs 0.32) but not the 50k-row output head (4.7 vs 4.3 ms), and oneDNN was ahead from 4 rows up;
-# on the AMD EPYC above MKL's GEMV used one core. So calls with <= SMALL_ROWS rows pick, per weight shape, the faster
-# of the two, timed once per process at the first such call (`GPT_SMALL_LINEAR`: auto, mkl or onednn for all).
-SMALL_ROWS = 2
+# mlp c_proj 0.20 vs 0.32) but not the 50k-row output head (4.7 vs 4.3 ms), and oneDNN (packed) was ahead from 4
+# rows up (the 48 block matmuls, cycling through the weights: 3 rows 14.5 vs 16.3 ms, 4 rows 22.8 vs 15.8; a batch-3
+# decode step 26.0 -> 24.0-25.5 ms with 3 rows here); on the AMD EPYC above MKL's GEMV used one core. So calls with
+# <= SMALL_ROWS rows pick, per weight shape, the faster of the two, timed once per process at the first such call
+# (`GPT_SMALL_LINEAR`: auto, mkl or onednn for all).
+SMALL_ROWS = 3
 _FORCED_SMALL = {"mkl": "mkl", "onednn": "onednn"}.get(os.environ.get("GPT_SMALL_LINEAR", "auto"))
 _small_backend: dict[tuple, str] = {}
 
@@ -257,9 +259,9 @@ class GPT(nn.Module):
     @torch.no_grad()
     def prepack(self) -> int:
         """Give every nn.Linear a copy of its weight in oneDNN's blocked layout (CPU, fp32; an inference-time
-        addition, as inductor's weight prepacking): from 3 rows up `linear` reads that copy instead of reordering
-        the plain weight on every call. Costs the weights' memory once more; a weight changed afterwards (in place
-        or replaced) is noticed and read plain again. Returns the layers packed (0 where oneDNN is not used).
+        addition, as inductor's weight prepacking): above SMALL_ROWS rows `linear` reads that copy instead of
+        reordering the plain weight on every call. Costs the weights' memory once more; a weight changed afterwards
+        (in place or replaced) is noticed and read plain again. Returns the layers packed (0 where oneDNN is not used).
 
         Measured on 2 Xeon cores (GPT-2 124M, engine decode step, 2 threads): batch 16 51-53 -> 44 ms, batch 64
         104-109 -> 97 ms; batch 1 unchanged (MKL's GEMV reads the plain weights there, `SMALL_ROWS`). Packing with a

@@ -253,7 +253,7 @@ def test_small_row_linear_gives_the_same_result_through_either_library(backend, 
 
 
 def test_prepacked_weights_give_the_plain_result_and_a_changed_weight_is_read_plain(monkeypatch):
-    """GPT.prepack gives each Linear a oneDNN-blocked copy that `linear` reads from 3 rows up: same result as
+    """GPT.prepack gives each Linear a oneDNN-blocked copy that `linear` reads from 4 rows up: same result as
     F.linear; after the weight changes in place or is replaced, the stale copy is not used."""
     import torch.nn.functional as F
 

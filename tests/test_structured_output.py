@@ -20,7 +20,7 @@ from model.engine_core import EngineCore
 from model.engine_io import EngineRequest, StructuredSpec
 from model.sampling import SamplingParams
 from model.stopping import FinishReason
-from model.structured_output import GrammarError, Grammars, grammar_text
+from model.structured_output import GrammarError, Grammars, Matchers, grammar_text
 from tests.conftest import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -239,6 +239,27 @@ def test_logprobs_are_under_the_raw_distribution(gpt2):
 
 
 # ---------------------------------------------------------------------------------------------- compiling
+def test_the_parallel_fill_gives_the_rows_of_the_serial_one(shakespeare):
+    """With cores to spare (threads >= 4) Matchers fills through llguidance's thread pool: the same rows, in the
+    order asked, as the one-thread loop, with the requests' grammars in different states."""
+    _, tok = shakespeare
+    g = Grammars.for_tokenizer(tok)
+    serial, par = Matchers(g, 8, threads=1), Matchers(g, 8, threads=4)
+    assert serial._executor is None and par._executor is not None
+    ids = [f"r{i}" for i in range(5)]
+    for rid, name in zip(ids, ["object", "regex", "json_object", "nested", "grammar"]):
+        serial.add(rid, specs()[name])
+        par.add(rid, specs()[name])
+    for step in range(4):
+        order = ids if step % 2 == 0 else ids[::-1]
+        rows = serial.fill(order).clone()
+        assert torch.equal(par.fill(order), rows)
+        for rid, row in zip(order, rows.tolist()):  # each takes its lowest allowed token
+            j = next(j for j, w in enumerate(row) if w)
+            token = 32 * j + ((row[j] & -row[j]).bit_length() - 1)
+            assert serial.accept(rid, token)[0] and par.accept(rid, token)[0]
+
+
 def test_compiled_grammars_are_cached_by_spec(gpt2_tokenizer):
     g = Grammars.for_tokenizer(gpt2_tokenizer)
     assert Grammars.for_tokenizer(gpt2_tokenizer) is g

@@ -264,16 +264,17 @@ class GPT(nn.Module):
         (in place or replaced) is noticed and read plain again. Returns the layers packed (0 where oneDNN is not used).
 
         Measured on 2 Xeon cores (GPT-2 124M, engine decode step, 2 threads): batch 16 51-53 -> 44 ms, batch 64
-        104-109 -> 97 ms; batch 1 unchanged (MKL's GEMV reads the plain weights there, `SMALL_ROWS`). Packing with a
+        104-109 -> 97 ms; up to SMALL_ROWS rows MKL may read the plain weight instead (below). Packing with a
         batch-size hint (inductor's static-shape case) did not help: a hint of 16 ran batch 16 no faster (45 ms), a
         hint of 1 was no better than plain weights at 16 and 64.
 
         Each weight also gets a column-major copy (the same (out, in) tensor, its transpose contiguous): at one row
         MKL's GEMV reads that layout faster. GPT-2 124M's 48 block matmuls, cycling through all weights as decode
         does: 12.0 -> 10.9 ms at one row (30 -> 33 GB/s), while at two rows it is 19.8 ms against 13.3 plain (so two
-        rows keep reading the plain weight). A batch-1 decode step 23.1 -> 21.4 ms (medians of 9 runs in 3
-        processes each, interleaved; 2 Xeon cores, 2026-11-24, /tmp/p20/b12.py); batch 2 unchanged (24.8). The
-        price: the weights' memory a third time (GPT-2 124M: +0.5 GB)."""
+        rows keep reading the plain weight). A batch-1 decode step 23.1 -> 21.4 ms (medians of 40 steps, 3 per
+        process, 3 processes per version, interleaved; 2 Xeon cores, 2026-11-24, /tmp/p20/b12.py); batch 2
+        unchanged (24.7 -> 24.5). The price: the weights' memory a third time (GPT-2 124M: idle PSS 4.1 -> 4.5 GB),
+        kept even where the one-row timing then picks oneDNN."""
         if ONEDNN_LINEAR is None:
             return 0
         n = 0

@@ -22,9 +22,9 @@ import uvicorn
 
 from app import __version__
 from app.config import SettingsError, load_settings
-from app.engine.core_process import CoreConfig
 from app.server import create_app
 from app.service import CoreHandle, Service, StartupError, load_model
+from engine.core_process import CoreConfig
 
 log = logging.getLogger("app")
 

@@ -10,15 +10,8 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-import torch
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
-
-from model.device import DTYPES
-from model.device import resolve_device as _resolve_device
-from model.device import resolve_dtype as _resolve_dtype
-
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 class SettingsError(ValueError):
@@ -127,39 +120,3 @@ def load_settings(**overrides) -> Settings:
             flag = field.replace("_", "-")
             lines.append(f"invalid setting {field} (--{flag} or env GPT_{field.upper()}): {err['msg']}")
         raise SettingsError("; ".join(lines)) from None
-
-
-CPU_DEFAULT_BATCH = 32  # bench/stack.py and bench/serve.py: sampled traffic keeps scaling past 16 streams on 2 cores
-
-
-def default_max_batch_size(n_layer: int, n_embd: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                           memory_fraction: float) -> int:
-    """Slots that fit the device: on a GPU, `memory_fraction` of its free memory in full-length KV-cache slots
-    (keys and values of every layer, plus the sampler's per-slot state), 8..256; on a CPU a fixed 32."""
-    if device.type != "cuda":
-        return CPU_DEFAULT_BATCH
-    free, _total = torch.cuda.mem_get_info(device)
-    kv = 2 * n_layer * block_size * n_embd * torch.empty((), dtype=dtype).element_size()
-    # the sampler's rows (three fp32 vocabulary-wide workspaces and its seen-token set: ~0.7 MB for GPT-2's
-    # 50k vocabulary) and the logits of a step: a 4 MiB allowance per slot covers vocabularies up to ~200k
-    per_slot = kv + 4 * 1024 * 1024
-    return max(8, min(256, int(free * memory_fraction) // per_slot))
-
-
-def resolve_device(name: str) -> torch.device:
-    """model.device's choice (shared with the CLIs), with errors as SettingsError."""
-    try:
-        device = _resolve_device(name)
-    except ValueError as e:
-        raise SettingsError(f"{e}; use --device cpu" if "CUDA" in str(e) else str(e)) from None
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise SettingsError(f"device {name!r} requested but only {torch.cuda.device_count()} GPU(s) are present")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on a GPU that supports it, else fp32 (model.device's rule)."""
-    try:
-        return _resolve_dtype(name, device)
-    except ValueError as e:
-        raise SettingsError(str(e)) from None

@@ -35,7 +35,7 @@ OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_
 OPENAI_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
-# The engine's error kinds (model/engine_io.py) as HTTP statuses: the one place they are mapped.
+# The engine's error kinds (engine/request.py) as HTTP statuses: the one place they are mapped.
 KIND_STATUS = {"overloaded": 429, "unavailable": 503, "shutdown": 503, "timeout": 504, "failed": 500, "invalid": 422}
 KIND_TYPES = {"overloaded": "overloaded", "unavailable": "unavailable", "shutdown": "unavailable",
               "timeout": "timeout", "failed": "generation", "invalid": "validation"}

@@ -13,9 +13,9 @@ import os
 import sys
 
 from app.config import SettingsError, load_settings
-from app.engine.core_process import CoreConfig
 from app.server import create_app
 from app.service import CoreHandle, StartupError, load_model
+from engine.core_process import CoreConfig
 
 try:
     settings = load_settings()

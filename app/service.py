@@ -1,7 +1,7 @@
 """The service behind the routes: the engine client, the model's limits, admission, drain, metrics hooks.
 
 `lifespan` is the app's FastAPI lifespan. With GPT_ENGINE=process (the default) the engine core runs in its own
-process (`app.engine.core_process`): `python -m app` and `app.main` start it before the server so a bad checkpoint
+process (`engine.core_process`): `python -m app` and `app.main` start it before the server so a bad checkpoint
 ends the process with one line; otherwise the lifespan starts it. This process then reads only the checkpoint's
 config and tokenizer. With GPT_ENGINE=thread the model is loaded here and the same core loop runs on a thread.
 Either way the warm-up runs in the core while /health answers 503.
@@ -22,12 +22,12 @@ from fastapi import FastAPI, Request
 
 from app.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from app.config import Settings
-from app.engine.client import EngineClient, EngineError, ProcessEngineClient, ThreadEngineClient
-from app.engine.core_process import CoreConfig, CoreProcess, StartupError, build_core, load_model
-from app.engine.output_processor import RequestState
 from app.errors import ApiError, outcome_labels, status_of
 from app.metrics import Metrics
 from app.validation import Limits, Plan
+from engine.client import EngineClient, EngineError, ProcessEngineClient, ThreadEngineClient
+from engine.core_process import CoreConfig, CoreProcess, StartupError, build_core, load_model
+from engine.output_processor import RequestState
 from model.checkpoint import CheckpointError, read_checkpoint
 
 log = logging.getLogger("app")

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from app.engine.output_processor import Failed, RequestState, TokenOut
 from app.errors import ApiError, error_type_of, status_of
+from engine.output_processor import Failed, RequestState, TokenOut
 
 PING_S = 15.0
 DONE = b"data: [DONE]\n\n"

@@ -6,7 +6,7 @@ length in tokens, room left in the context for the requested tokens, stop sequen
 token, token ids within the vocabulary (prompts, logit_bias, stop_token_ids), how many choices one request
 may hold, the combinations the engine cannot run (max_tokens 0 without echo, decoder_input_details while
 streaming), and structured output: the grammar of `response_format` / `structured_outputs` / TGI's `grammar` is
-compiled here (model/structured_output.py, cached by its text), so a schema or regex the library refuses is a 4xx
+compiled here (engine/structured_output.py, cached by its text), so a schema or regex the library refuses is a 4xx
 naming the field, with its reason.
 """
 
@@ -19,9 +19,9 @@ from app.chat_template import ChatTemplate, ChatTemplateError
 from app.errors import invalid
 from app.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from app.protocol.tgi import TGIParameters, TGIRequest
-from model.engine_io import StructuredSpec
-from model.sampling import GREEDY_TEMPERATURE, SamplingParams, draw_seed
-from model.structured_output import GrammarError, Grammars
+from engine.request import StructuredSpec
+from engine.sampling import GREEDY_TEMPERATURE, SamplingParams, draw_seed
+from engine.structured_output import GrammarError, Grammars
 from model.tokenizer import Tokenizer
 
 

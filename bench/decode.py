@@ -5,7 +5,7 @@
 Both models hold the same randomly initialised GPT-2 124M (transformers' `GPT2Config()`
 defaults, saved with `save_pretrained` and imported with `model.convert_hf`), run fp32
 on the CPU with the same thread count, greedy, on the same random prompts. Ours is the
-public loop (`model.generate.stream_generate`: per-sequence state, detokenizer, logprobs
+public loop (`engine.generate.stream_generate`: per-sequence state, detokenizer, logprobs
 and all); HF's is `generate(use_cache=True)` with EOS disabled so both always produce
 `--new-tokens` tokens. Repetitions alternate ours / HF so that other load on a shared
 machine hits both alike; medians and ratios are reported.
@@ -57,8 +57,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def run_ours(model, tokenizer, prompts: torch.Tensor, n_new: int) -> dict[str, Any]:
-    from model.generate import stream_generate
-    from model.sampling import SamplingParams
+    from engine.generate import stream_generate
+    from engine.sampling import SamplingParams
 
     B = prompts.size(0)
     params = SamplingParams(max_new_tokens=n_new, temperature=0.0, stop_at_eos=False, seed=0)

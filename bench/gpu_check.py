@@ -24,10 +24,10 @@ from bench.common import REPO, env_info, random_gpt2, write_result
 def engine_run(ck_dir, batch: int, new_tokens: int, graphs: bool) -> dict:
     import torch
 
+    from engine.core import EngineCore
+    from engine.request import EngineRequest
+    from engine.sampling import SamplingParams
     from model.checkpoint import load_checkpoint
-    from model.engine_core import EngineCore
-    from model.engine_io import EngineRequest
-    from model.sampling import SamplingParams
 
     ck = load_checkpoint(ck_dir, device="cuda", dtype=torch.bfloat16)
     core = EngineCore(ck.model, n_slots=max(batch, 1), vocab_size=ck.tokenizer.vocab_size, eos_id=None,

@@ -156,9 +156,9 @@ def distinct_bodies(args, seed: int) -> list[dict[str, Any]]:
 def admission_cost(slots: int = 256, prompt_len: int = 600, admissions: int = 400) -> dict[str, Any]:
     """Microseconds per admission at `slots` slots, every one caching a different conversation: the scheduler
     alone (match over the index, LRU choice, index upkeep), cache on vs off."""
-    from model.engine_io import EngineRequest
-    from model.sampling import SamplingParams
-    from model.scheduler import Scheduler
+    from engine.request import EngineRequest
+    from engine.sampling import SamplingParams
+    from engine.scheduler import Scheduler
 
     class D:  # a draw as the sampler returns it
         def __init__(self, t):
@@ -197,10 +197,10 @@ def determinism(checkpoint: Path, conversations: int = 6, turns: int = 5, new: i
     tokens are identical and, where they differ, the top-two logit margin (fresh run) at the first difference."""
     import torch
 
+    from engine.core import EngineCore
+    from engine.request import EngineRequest
+    from engine.sampling import SamplingParams
     from model.checkpoint import load_checkpoint
-    from model.engine_core import EngineCore
-    from model.engine_io import EngineRequest
-    from model.sampling import SamplingParams
 
     ck = load_checkpoint(checkpoint)
     tok = ck.tokenizer

@@ -3,8 +3,8 @@
 Every slot of the server's engine core gets a full-context prompt (block_size - 1 tokens) with prompt
 log-probabilities and the top-1 alternative (lm-eval's `logprobs: 1`), scored only (`max_tokens: 0`) or with one
 generated token (`max_tokens: 1`, lm-eval's request). The core is built as the server builds it
-(`app.engine.core_process.build_core`: the same slots, prefill chunk, dtype and KV cache), so the numbers are the
-server's. Reported, against the KV cache's budget (`app.config.default_max_batch_size`: per slot a full-length KV
+(`engine.core_process.build_core`: the same slots, prefill chunk, dtype and KV cache), so the numbers are the
+server's. Reported, against the KV cache's budget (`engine.sizing.default_max_batch_size`: per slot a full-length KV
 cache plus a 4 MiB allowance for the sampler and a step's logits):
 
 - the KV cache and the sampler's state (allocated at start),
@@ -29,7 +29,7 @@ import torch
 
 from bench.common import env_info, print_table, random_gpt2, set_threads, write_result
 
-SLOT_ALLOWANCE = 4 * 1024 * 1024  # app.config.default_max_batch_size's per-slot allowance beside the KV cache
+SLOT_ALLOWANCE = 4 * 1024 * 1024  # engine.sizing.default_max_batch_size's per-slot allowance beside the KV cache
 
 
 class PeakMemory:
@@ -74,8 +74,8 @@ class PeakMemory:
 
 def run_batch(core, n: int, prompt_len: int, vocab: int, max_new: int, prompt_logprobs: int | None,
               seed: int) -> dict:
-    from model.engine_io import EngineRequest
-    from model.sampling import SamplingParams
+    from engine.request import EngineRequest
+    from engine.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     for i in range(n):
@@ -97,8 +97,8 @@ def run_batch(core, n: int, prompt_len: int, vocab: int, max_new: int, prompt_lo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from app.engine.core_process import CoreConfig, build_core
-    from model.engine_core import PROMPT_LOGPROBS_PIECE
+    from engine.core import PROMPT_LOGPROBS_PIECE
+    from engine.core_process import CoreConfig, build_core
 
     p = argparse.ArgumentParser(prog="python -m bench.score_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", type=Path, help="default: a random GPT-2 124M (built once, cached)")

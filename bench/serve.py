@@ -16,7 +16,7 @@ alternating (so other load on a shared machine hits all alike): N client streams
 starting after `--level-budget-s`. Reported per level: aggregate generated tokens/s (all tokens ÷ wall
 time of the level), time to first token p50/p99 (from sending the request to the first token event),
 inter-token latency p50/p99 (gaps between token events of a stream), errors. Beside the level-1 runs it
-times the in-process library loop (`model.generate.generate`, batch 1, greedy, same prompt and new
+times the in-process library loop (`engine.generate.generate`, batch 1, greedy, same prompt and new
 tokens), so one HTTP stream can be compared with the loop it wraps; and it times transformers'
 offline `generate` at batch 8 (same prompt length and new tokens), as the throughput to beat.
 
@@ -93,7 +93,7 @@ def parse_workloads(arg: str) -> list[str]:
 
 def library_params(workload: str, max_new: int, seed: int, stop_at_eos: bool = True):
     """The SamplingParams the server derives from tgi_parameters(workload, max_new, seed)."""
-    from model.sampling import SamplingParams
+    from engine.sampling import SamplingParams
 
     w = WORKLOADS[workload]
     return SamplingParams(max_new_tokens=max_new, temperature=w.get("temperature", 0.0), top_p=w.get("top_p", 1.0),
@@ -103,7 +103,7 @@ def library_params(workload: str, max_new: int, seed: int, stop_at_eos: bool = T
 def app_default_max_batch() -> int | None:
     """The slots a server started without GPT_MAX_BATCH_SIZE uses on this (CPU) machine."""
     try:
-        from app.config import CPU_DEFAULT_BATCH
+        from engine.sizing import CPU_DEFAULT_BATCH
 
         return CPU_DEFAULT_BATCH
     except ImportError:
@@ -285,9 +285,9 @@ async def run_level(url: str, streams: int, requests: int, max_new: int, budget_
 
 def library_level(model, tokenizer, prompt_ids: list[int], batch: int, requests: int, max_new: int,
                   workload: str = "greedy", stop_at_eos: bool = True) -> dict[str, Any]:
-    """The in-process loop (`model.generate.generate`) on `batch` copies of the prompt, `requests` times
+    """The in-process loop (`engine.generate.generate`) on `batch` copies of the prompt, `requests` times
     in a row (batch k's row i has seed i + k·batch, as the server's stream i); tokens/s over the whole."""
-    from model.generate import generate
+    from engine.generate import generate
 
     tokens, t0 = 0, time.perf_counter()
     for k in range(requests):
@@ -406,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     # the in-process loop on the same checkpoint (with --url only when --checkpoint names the server's)
     lib_model = lib_tok = None
     if not args.no_library and (not args.url or explicit_checkpoint):
+        from engine.sampling import Sampler
         from model.checkpoint import load_checkpoint
-        from model.sampling import Sampler
 
         ck = load_checkpoint(args.checkpoint)
         lib_model, lib_tok = ck.model, ck.tokenizer

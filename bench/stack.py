@@ -17,13 +17,13 @@ One server (`python -m app`, 127.0.0.1, GPT_MAX_BATCH_SIZE=64 or the highest lev
 temperature 0.8, top_p 0.95, seed) and level N: N concurrent SSE streams to `/generate_stream`, each
 sending `--requests` requests of `--new-tokens` tokens (the same ~32-token prompt), and, back to back
 with it (order alternating), the library loop on the same model, workload and batch size:
-`model.generate.generate(model, tokenizer, [prompt] * N, params)` with `stop_at_eos=False`, timed
+`engine.generate.generate(model, tokenizer, [prompt] * N, params)` with `stop_at_eos=False`, timed
 around the call. Reported per (workload, level): server and library tokens/s and their ratio, TTFT p50,
 ITL p50/p99, errors, CPU seconds used by the server, the client and the library loop; then the ratios
 sampled/greedy and top_p/greedy (at the highest level and at 1 stream) and server/library.
 
-Then the model's own share, a bare decode step (`model.generate.decode_step`) at each level's batch size,
-and "the sampler alone": `model.sampling.Sampler` on random (B, 50257) fp32 logits at
+Then the model's own share, a bare decode step (`engine.generate.decode_step`) at each level's batch size,
+and "the sampler alone": `engine.sampling.Sampler` on random (B, 50257) fp32 logits at
 B = 1, 16, 64 for greedy, temperature 0.8, + top_p 0.95, + top_k 50 (median ms per call), interleaved
 with the sampler it replaced (`sample_next` of `--baseline-rev`, loaded from git), for the speed-up.
 
@@ -170,7 +170,7 @@ def sampler_alone(batches: list[int], calls: int, vocab: int = CONFIG["vocab_siz
     `baseline_rev` (the old `sample_next`, one torch.Generator per row) when it can be loaded."""
     import torch
 
-    from model.sampling import Sampler, SamplingParams
+    from engine.sampling import Sampler, SamplingParams
 
     padded = Sampler(1, vocab, 4).padded  # the served model's logits are padded to whole blocks (GPT.pad_vocab)
     g = torch.Generator().manual_seed(0)
@@ -215,12 +215,12 @@ def sampler_alone(batches: list[int], calls: int, vocab: int = CONFIG["vocab_siz
 
 
 def model_step_alone(model, prompt_ids: list[int], batches: list[int], calls: int) -> dict[str, Any]:
-    """Median ms of one bare decode step (`model.generate.decode_step` on a KV cache filled with the prompt)
+    """Median ms of one bare decode step (`engine.generate.decode_step` on a KV cache filled with the prompt)
     at each batch size: the model's own share, the floor under every other number. Errors are recorded."""
     import torch
 
     try:
-        from model.generate import decode_step, prefill
+        from engine.generate import decode_step, prefill
         from model.kv_cache import KVCache
     except Exception as e:  # noqa: BLE001 - modules being rewritten must not end the benchmark
         print(f"model step alone: skipped ({type(e).__name__}: {e})")
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ck = load_checkpoint(ck_dir)
         model, tok = ck.model, ck.tokenizer
-        from model.sampling import Sampler
+        from engine.sampling import Sampler
 
         model.pad_vocab(Sampler(1, tok.vocab_size, 4).padded)  # as the server does
         prompt_ids = tok.encode(PROMPT)

@@ -5,7 +5,7 @@
 
 Per model (`gpt2`: a random GPT-2 124M, bench.common.random_gpt2; `stack`: the stack-ceiling model of
 bench/stack.py, one layer, n_embd 64, GPT-2's vocabulary) and batch size B, an engine core
-(`model.engine_core.EngineCore`, B slots, the server's layout: padded vocabulary, CUDA graphs on CUDA) is given
+(`engine.core.EngineCore`, B slots, the server's layout: padded vocabulary, CUDA graphs on CUDA) is given
 B requests (temperature 0.8, seeded, a ~32-token prompt, <|endoftext|> not stopping them) and, after their
 prefill and 2 warm steps, `--steps` decode steps are timed one by one. Modes:
 - `none`: no request constrained (the reference: unconstrained sampling);
@@ -115,10 +115,10 @@ def time_cell(ckpt_dir: str, batch: int, mode: str, steps: int, device: str, dty
     `model` package it finds first on sys.path (the baseline's in a baseline subprocess)."""
     import torch
 
+    from engine.core import EngineCore
+    from engine.request import EngineRequest
+    from engine.sampling import SamplingParams
     from model.checkpoint import load_checkpoint
-    from model.engine_core import EngineCore
-    from model.engine_io import EngineRequest
-    from model.sampling import SamplingParams
 
     dt = getattr(torch, dtype) if dtype else None
     ck = load_checkpoint(ckpt_dir, device=device, dtype=dt)
@@ -130,7 +130,7 @@ def time_cell(ckpt_dir: str, batch: int, mode: str, steps: int, device: str, dty
     params = lambda: SamplingParams(max_new_tokens=steps + 8, temperature=0.8, stop_at_eos=False)  # noqa: E731
     spec = None
     if mode in ("none_used", "one", "all"):
-        from model.engine_io import StructuredSpec
+        from engine.request import StructuredSpec
 
         spec = StructuredSpec("json_schema", json.dumps(SCHEMAS[BENCH_SCHEMA][0]))
     if mode == "none_used":  # serve one constrained request first: the core's matchers exist from then on
@@ -187,8 +187,8 @@ def baseline_cell(tree: Path, args: argparse.Namespace, ckpt: str, batch: int) -
 
 # ---------------------------------------------------------------------------------------------- compile time
 def compile_times(repeats: int) -> dict[str, Any]:
-    from model.engine_io import StructuredSpec
-    from model.structured_output import Grammars
+    from engine.request import StructuredSpec
+    from engine.structured_output import Grammars
     from model.tokenizer import Tokenizer
 
     out: dict[str, Any] = {}

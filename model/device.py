@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -13,8 +14,11 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
         raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return torch.device(name)
+        raise ValueError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} requested but only {torch.cuda.device_count()} GPU(s) are present")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

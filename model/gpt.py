@@ -323,7 +323,7 @@ class GPT(nn.Module):
         Returns (B, vocab) logits of each row's last token, or (B, T, vocab) with all_logits.
         Computing the head only for the last token saves a (T × vocab) matmul per prefill.
         hidden: return the final hidden states (B, T, n_embd) instead (after ln_f), for a caller that applies
-        `head` itself in pieces (the prompt's log-probabilities, model/engine_core.py).
+        `head` itself in pieces (the prompt's log-probabilities, engine/core.py).
         """
         B, T = idx.shape
         if B != len(slots):

@@ -135,7 +135,7 @@ class KVCache:
     def plan_static(self, n_rows: int) -> CacheStep:
         """One token for each of slots 0..n_rows-1, with shapes that do not depend on what the slots hold:
         positions come from the device lengths and attention covers the whole cache under a mask. Nothing
-        here reads the host, so a CUDA graph can capture the step once and replay it (model.cuda_graphs)."""
+        here reads the host, so a CUDA graph can capture the step once and replay it (engine.cuda_graphs)."""
         positions = self.lengths_t[:n_rows, None]  # (B, 1), a view: read at replay time
         mask = self._arange[None, None, None, : self.max_len] <= positions[:, None, :, None]  # (B, 1, 1, S)
         return CacheStep(self._arange[:n_rows], slice(0, n_rows), positions, mask, self.max_len)

@@ -660,7 +660,7 @@ def test_a_next_turn_reuses_the_cached_prefix_and_says_so(tiny_ckpt):  # noqa: F
 def test_health_is_503_while_warming_up_and_requests_wait(tiny_ckpt, monkeypatch):  # noqa: F811
     from fastapi.testclient import TestClient
 
-    from model.engine_core import EngineCore
+    from engine.core import EngineCore
 
     gate = threading.Event()
     original = EngineCore.warmup

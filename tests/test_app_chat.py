@@ -65,9 +65,9 @@ def transcript_ckpt(tmp_path_factory) -> Path:
 
 
 def test_reply_stops_at_the_next_you(transcript_ckpt):
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
     from model.checkpoint import load_checkpoint
-    from model.generate import generate
-    from model.sampling import SamplingParams
 
     prompt = "You: hi\nModel:"
     ck = load_checkpoint(transcript_ckpt)

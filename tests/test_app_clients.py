@@ -15,7 +15,7 @@ import httpx
 import pydantic
 import pytest
 
-from model.stopping import FinishReason
+from engine.stopping import FinishReason
 from tests.test_app_support import (  # noqa: F401
     LiveServer,
     make_app,

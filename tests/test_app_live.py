@@ -307,20 +307,16 @@ def test_python_m_app_serves_matches_model_sample_and_exits_0_on_sigterm(tiny_ck
     try:
         text = httpx.post(url + "/generate", json={"inputs": "To be", "parameters": {"max_new_tokens": 20,
                                                                                        "temperature": 0}}).json()
-        sample = REPO / "model" / "sample.py"
-        if sample.is_file():
-            cli = run([sys.executable, "-m", "model.sample", "--checkpoint", str(tiny_ckpt), "--prompt", "To be",
-                       "--max-new-tokens", "20", "--temperature", "0"])
-            assert cli.returncode == 0, cli.stderr
-            assert cli.stdout in (text["generated_text"], text["generated_text"] + "\n")
+        cli = run([sys.executable, "-m", "engine.sample", "--checkpoint", str(tiny_ckpt), "--prompt", "To be",
+                   "--max-new-tokens", "20", "--temperature", "0"])
+        assert cli.returncode == 0, cli.stderr
+        assert cli.stdout in (text["generated_text"], text["generated_text"] + "\n")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    if not sample.is_file():
-        pytest.skip("model/sample.py is not there yet: the CLI parity check did not run")
 
 
 def test_second_sigterm_exits_at_once_with_status_0(tiny_ckpt):  # noqa: F811

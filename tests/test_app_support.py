@@ -143,10 +143,10 @@ def sse_events(text: str) -> list:
 
 
 def reference_generate(ckpt: Path, prompt: str, **params):
-    """What model.generate produces for one prompt alone (the solo reference)."""
+    """What engine.generate produces for one prompt alone (the solo reference)."""
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
     from model.checkpoint import load_checkpoint
-    from model.generate import generate
-    from model.sampling import SamplingParams
 
     c = load_checkpoint(ckpt)
     with torch.inference_mode():

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
+from engine.generate import generate
+from engine.sampling import SamplingParams
 from model.checkpoint import load_checkpoint
-from model.generate import generate
-from model.sampling import SamplingParams
 from tests.conftest import REPO
 
 transformers = pytest.importorskip("transformers")

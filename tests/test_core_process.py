@@ -1,4 +1,4 @@
-"""The engine core in its own process (app/engine/core_process.py, the server's default): results equal the
+"""The engine core in its own process (engine/core_process.py, the server's default): results equal the
 library's and the thread mode's, a killed core ends every stream at once and the server exits non-zero, and
 several HTTP fronts (GPT_API_SERVERS) share one core with metrics that add up."""
 
@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from app.engine.core_process import CoreConfig, core_threads, keep_freed_memory
+from engine.core_process import CoreConfig, core_threads, keep_freed_memory
 from tests.test_app_live import start_app_process, wait_until
 from tests.test_app_support import app_client, reference_generate, tiny_ckpt  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""CUDA-graph decode (model/cuda_graphs.py): replays equal eager steps. Needs a CUDA device (CI has none);
+"""CUDA-graph decode (engine/cuda_graphs.py): replays equal eager steps. Needs a CUDA device (CI has none);
 the graph's body, `GPT.decode_static`, is checked against the dynamic step on CPU in test_model.py."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.generate import decode_step, prefill
+from engine.generate import decode_step, prefill
 from model.kv_cache import KVCache
 from tests.conftest import tiny_model
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_replays_equal_eager_decoding_without_host_syncs():
-    from model.cuda_graphs import GraphedDecode
+    from engine.cuda_graphs import GraphedDecode
 
     dev = torch.device("cuda")
     model = tiny_model(vocab_size=300).to(dev)

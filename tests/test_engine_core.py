@@ -1,4 +1,4 @@
-"""The engine core on its own (model/engine_core.py), driven step by step as the library and the server drive it:
+"""The engine core on its own (engine/core.py), driven step by step as the library and the server drive it:
 batching is invisible in the results, chunked prefill changes nothing, a failing step fails its requests and the
 core goes on."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.core import EngineCore
+from engine.generate import generate
+from engine.request import EngineRequest, ErrorKind
+from engine.sampling import SamplingParams
 from model.checkpoint import load_checkpoint
-from model.engine_core import EngineCore
-from model.engine_io import EngineRequest, ErrorKind
-from model.generate import generate
-from model.sampling import SamplingParams
 from tests.test_app_support import one_torch_thread, tiny_ckpt  # noqa: F401
 
 CASES = [
@@ -173,7 +173,7 @@ def reference_scores(model, prompt: list[int], vocab: int, top: int):
 
 @pytest.mark.parametrize("piece", [None, 3 * 300])  # the engine's default piece, and 3 rows per head piece
 def test_prompt_logprobs_equal_a_full_forward_chunked_and_batched(ckpt, monkeypatch, piece):
-    import model.engine_core as engine_core
+    import engine.core as engine_core
 
     if piece is not None:
         monkeypatch.setattr(engine_core, "PROMPT_LOGPROBS_PIECE", piece)

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from engine.generate import SamplingParams, generate
 from model.checkpoint import TRAINING_STATE, load_checkpoint, save_checkpoint
-from model.generate import SamplingParams, generate
 from model.task_head import HEAD_FILE, load_task
 from model.tokenizer import Tokenizer
 from tests.conftest import tiny_model, write_byte_ranks

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.generate import decode_step, generate, prefill
+from engine.sampling import SamplingParams
 from model.config import GPTConfig
-from model.generate import decode_step, generate, prefill
 from model.gpt import GPT
 from model.kv_cache import ContextLengthError, KVCache
-from model.sampling import SamplingParams
 from tests.conftest import tiny_model
 
 VARIANTS = [

@@ -1,11 +1,11 @@
-"""The prefix index on its own (model/prefix_cache.py): longest common prefix over slots, block granularity,
+"""The prefix index on its own (engine/prefix_cache.py): longest common prefix over slots, block granularity,
 truncation, copies, swaps and hash collisions."""
 
 from __future__ import annotations
 
 import random
 
-from model.prefix_cache import PrefixIndex
+from engine.prefix_cache import PrefixIndex
 
 
 def test_the_longest_common_prefix_is_found_past_the_last_whole_block():

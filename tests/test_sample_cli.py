@@ -1,4 +1,4 @@
-"""`python -m model.sample`: streaming output, determinism, clear errors."""
+"""`python -m engine.sample`: streaming output, determinism, clear errors."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
+from engine.generate import generate
+from engine.sampling import SamplingParams
 from model.checkpoint import load_checkpoint, save_checkpoint
-from model.generate import generate
-from model.sampling import SamplingParams
 from tests.conftest import REPO, tiny_model
 
 
@@ -25,7 +25,7 @@ def ckpt(tmp_path, byte_tokenizer):
 
 
 def sample(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "model.sample", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "engine.sample", *args], cwd=REPO, capture_output=True,
                           text=True, input=input, timeout=120)
 
 
@@ -72,8 +72,8 @@ def test_num_samples_prints_each_sample_on_its_own(ckpt):
 
 
 def test_piping_into_head_stops_quietly(ckpt):
-    """`python -m model.sample ... | head -n 1`: the reader goes away mid-stream; no traceback, no noise."""
-    proc = subprocess.Popen([sys.executable, "-m", "model.sample", "--checkpoint", str(ckpt), "--prompt", "a",
+    """`python -m engine.sample ... | head -n 1`: the reader goes away mid-stream; no traceback, no noise."""
+    proc = subprocess.Popen([sys.executable, "-m", "engine.sample", "--checkpoint", str(ckpt), "--prompt", "a",
                              "--max-new-tokens", "32", "--num-samples", "5000", "--device", "cpu"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -89,7 +89,7 @@ def test_piping_into_head_stops_quietly(ckpt):
 
 
 def test_help_shows_every_default():
-    from model.sample import build_parser
+    from engine.sample import build_parser
 
     r = sample("--help")
     assert r.returncode == 0, r.stderr
@@ -117,8 +117,8 @@ class _Chat:
     # The generator reports on stderr when it is closed, i.e. when generation has really stopped.
     DRIVER = """if True:
         import sys, time
-        import model.sample as cli
-        from model.generate import TokenEvent
+        import engine.sample as cli
+        from engine.generate import TokenEvent
         real = cli.stream_generate
         def endless(*args, **kwargs):
             try:

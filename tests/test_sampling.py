@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from model.sampling import _M32, _MUL, Sampler, SamplingParams, gumbel, row_keys, seed_keys
+from engine.sampling import _M32, _MUL, Sampler, SamplingParams, gumbel, row_keys, seed_keys
 
 PROBS = torch.tensor([0.3, 0.2, 0.1, 0.1, 0.08, 0.07, 0.05, 0.04, 0.03, 0.01, 0.01, 0.005, 0.005])
 
@@ -282,7 +282,7 @@ def test_extreme_but_valid_parameters_stay_finite():
     """Values a JSON client may send (the smallest positive double): temperature 5e-324 decodes greedily
     (1/T would overflow float32), top_p 5e-324 keeps only the most likely token (p · mass would underflow to 0
     and reject every token forever); a repetition penalty below 0.01 is refused (logits / p overflow)."""
-    from model.sampling import Sampler, SamplingParams
+    from engine.sampling import Sampler, SamplingParams
 
     V = 259  # a partial last sampler block
     torch.manual_seed(0)
@@ -399,7 +399,7 @@ def _packed(allowed: torch.Tensor) -> torch.Tensor:
 
 
 def test_apply_bitmask_sets_exactly_the_disallowed_tokens_to_minus_inf():
-    from model.sampling import apply_bitmask
+    from engine.sampling import apply_bitmask
 
     g = torch.Generator().manual_seed(0)
     V = 1000

@@ -1,4 +1,4 @@
-"""The scheduler on its own (model/scheduler.py): admission order, the prefill budget, grouped prefill, slot
+"""The scheduler on its own (engine/scheduler.py): admission order, the prefill budget, grouped prefill, slot
 compaction, aborts and deadlines. Pure bookkeeping: no model, no threads, no sleeps."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from model.engine_io import EngineRequest, ErrorKind
-from model.sampling import SamplingParams
-from model.scheduler import Scheduler
-from model.stopping import FinishReason
+from engine.request import EngineRequest, ErrorKind
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.stopping import FinishReason
 
 EOS = 0
 

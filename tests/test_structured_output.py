@@ -1,4 +1,4 @@
-"""Structured output (model/structured_output.py) through the engine core: every sampled output follows its grammar
+"""Structured output (engine/structured_output.py) through the engine core: every sampled output follows its grammar
 (JSON schemas validated with `jsonschema`, regexes `fullmatch`, JSON objects parse), with the bundled Shakespeare
 model and with a random GPT-2-vocabulary model; requests end when their grammar is complete; constrained rows
 leave the unconstrained ones of their batch untouched; seeded requests stay reproducible; bad specs are refused
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from bench.structured import SCHEMAS
+from engine.core import EngineCore
+from engine.request import EngineRequest, StructuredSpec
+from engine.sampling import SamplingParams
+from engine.stopping import FinishReason
+from engine.structured_output import GrammarError, Grammars, Matchers, grammar_text
 from model.checkpoint import load_checkpoint
-from model.engine_core import EngineCore
-from model.engine_io import EngineRequest, StructuredSpec
-from model.sampling import SamplingParams
-from model.stopping import FinishReason
-from model.structured_output import GrammarError, Grammars, Matchers, grammar_text
 from tests.conftest import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

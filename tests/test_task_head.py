@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from engine.generate import SamplingParams, generate
 from model.checkpoint import load_checkpoint
-from model.generate import SamplingParams, generate
 from model.task_head import (
     DELIM,
     EXTRACT,

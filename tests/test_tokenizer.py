@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from model.generate import Sequence
-from model.sampling import SamplingParams
-from model.stopping import FinishReason, StopMatcher
+from engine.generate import Sequence
+from engine.sampling import SamplingParams
+from engine.stopping import FinishReason, StopMatcher
 from model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from tests.conftest import write_byte_ranks
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from engine.generate import SamplingParams, generate
 from model.checkpoint import TRAINING_STATE, load_checkpoint, save_checkpoint
-from model.generate import SamplingParams, generate
 from tests.conftest import tiny_model, write_byte_ranks
 
 REPO = Path(__file__).resolve().parents[1]

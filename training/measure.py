@@ -11,9 +11,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model.generate import generate
+from engine.generate import generate
+from engine.sampling import SamplingParams
 from model.gpt import GPT
-from model.sampling import SamplingParams
 from model.task_head import TaskHead, make_batch, special_ids, task_logits
 from model.tokenizer import Tokenizer
 from training.config import TrainConfig
@@ -41,7 +41,7 @@ def estimate_loss(model: torch.nn.Module, data: np.ndarray, offsets: np.ndarray,
 
 
 def sample_text(model: GPT, tokenizer: Tokenizer, cfg: TrainConfig) -> str:
-    """A short sample (top-k, temperature) from model.generate. Its sampler draws counter-based noise keyed by
+    """A short sample (top-k, temperature) from engine.generate. Its sampler draws counter-based noise keyed by
     cfg.seed, never from a global generator: the training RNG is untouched, and every evaluation of a run
     samples with the same noise.
 

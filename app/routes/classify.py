@@ -8,13 +8,13 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
-from app.engine.client import EngineError
 from app.errors import ApiError, error_responses, invalid
 from app.guards import StrictJSONRoute, json_only
 from app.protocol.common import STRICT
 from app.routes import ServiceDep, authorized
 from app.service import engine_error
-from model.engine_io import ErrorKind
+from engine.client import EngineError
+from engine.request import ErrorKind
 from model.task_head import item_error
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["Tasks"], dependencies=[Depends(json_only), Depends(authorized)])

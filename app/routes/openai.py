@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.engine.output_processor import Failed, PromptOut, PromptToken, RequestState, TokenOut
 from app.errors import error_responses, error_type_of, invalid, status_of, stream_error_event
 from app.guards import StrictJSONRoute, json_only
 from app.openapi import sse_content
@@ -30,7 +29,8 @@ from app.protocol.openai import (
 from app.routes import ServiceDep, admit, authorized
 from app.streaming import DONE, answer, merged, sse
 from app.validation import Plan, check_ids, plan_chat, plan_completion, render_chat
-from model.stopping import FinishReason
+from engine.output_processor import Failed, PromptOut, PromptToken, RequestState, TokenOut
+from engine.stopping import FinishReason
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["OpenAI"], dependencies=[Depends(authorized)])
 ERRORS = error_responses(400, 401, 413, 415, 429, 500, 503, 504, openai=True)

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.engine.output_processor import Failed, PromptOut, RequestState, TokenOut
 from app.errors import error_responses, error_type_of, status_of, stream_error_event
 from app.guards import StrictJSONRoute, json_only
 from app.openapi import sse_content
@@ -18,6 +17,7 @@ from app.routes import ServiceDep, admit, authorized
 from app.service import Service
 from app.streaming import answer, sse
 from app.validation import Plan, plan_tgi
+from engine.output_processor import Failed, PromptOut, RequestState, TokenOut
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["TGI"], dependencies=[Depends(json_only), Depends(authorized)])
 ERRORS = error_responses(400, 401, 413, 415, 422, 429, 500, 503, 504)

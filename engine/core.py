@@ -6,10 +6,10 @@
         for out in core.step():      # RequestOutput: new token ids, logprobs, finish or error kind
             ...
 
-It owns the scheduler (`model.scheduler`), the KV cache, the sampler and the CUDA graphs, and runs vLLM V1's
+It owns the scheduler (`engine.scheduler`), the KV cache, the sampler and the CUDA graphs, and runs vLLM V1's
 step: schedule → execute → update. Whoever drives it (the library's `generate`, the server's core process or
 its engine thread) reads the outputs, detokenizes them and calls `abort` when a stop string ends a request.
-The sampling state of every slot lives on the model's device (`model.sampling.Sampler`), and the noise of each
+The sampling state of every slot lives on the model's device (`engine.sampling.Sampler`), and the noise of each
 token is a function of (seed, position, token id), so a seeded or greedy request gives the same tokens alone or
 batched.
 
@@ -19,7 +19,7 @@ most), so no prompt × vocabulary tensor ever exists (vLLM #5907 and #38830 are 
 Each piece leaves only the token's log-probability, its rank and the top-n alternatives on the device; they
 are read back once, with the request's first output.
 
-Structured output (model/structured_output.py): a request with a grammar (`EngineRequest.structured`; the core
+Structured output (engine/structured_output.py): a request with a grammar (`EngineRequest.structured`; the core
 needs the `tokenizer` then) gets a matcher when it is added. In a step where some sampled request has one, the
 masks of those rows are filled once, after the step's first forward pass is launched (on CUDA the host work
 overlaps it), copied to the device once, and applied by the sampler; after the draws each matcher takes its
@@ -34,14 +34,14 @@ import time
 
 import torch
 
-from model.engine_io import EngineRequest, ErrorKind, PromptLogprobs, RequestOutput
+from engine.request import EngineRequest, ErrorKind, PromptLogprobs, RequestOutput
+from engine.sampling import Sampler, SamplingParams
+from engine.scheduler import Scheduler, Step
+from engine.structured_output import Grammars, Matchers
 from model.gpt import GPT
 from model.kv_cache import KVCache
-from model.sampling import Sampler, SamplingParams
-from model.scheduler import Scheduler, Step
-from model.structured_output import Grammars, Matchers
 
-log = logging.getLogger("model.engine_core")
+log = logging.getLogger("engine.core")
 
 # logits computed at once for prompt log-probabilities: 2M (8 MB in fp32; GPT-2's vocabulary in 41-row pieces). A
 # piece's temporaries (the logits, their fp32 copy, logsumexp's, the rank comparison) stay under ~24 MB, inside the
@@ -65,12 +65,12 @@ class EngineCore:
         if pad_vocab:  # the sampler then reads the logits in place, as whole blocks (a server owns its model;
             model.pad_vocab(self.sampler.padded)  # the library leaves a caller's model as it is: it may train on)
         self.packed_layers = model.prepack() if prepack and self.device.type == "cpu" else 0  # after pad_vocab
-        # prefix caching (model.prefix_cache): off here; the server turns it on (GPT_PREFIX_CACHE)
+        # prefix caching (engine.prefix_cache): off here; the server turns it on (GPT_PREFIX_CACHE)
         self.scheduler = Scheduler(n_slots, prefill_chunk, eos_id, prefix_cache=prefix_cache, min_prefix=min_prefix,
                                    idle_prefill_chunk=idle_prefill_chunk)
         self.tokenizer = tokenizer  # for grammars (structured output); None: requests with one are refused
         self._matchers: Matchers | None = None  # made with the first constrained request
-        # decode steps from CUDA graphs (model.cuda_graphs): on by default on CUDA, captured at warm-up
+        # decode steps from CUDA graphs (engine.cuda_graphs): on by default on CUDA, captured at warm-up
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self._graphed = None
         self.warmup_error: str | None = None
@@ -290,7 +290,7 @@ class EngineCore:
                     self.model.forward_cached(self.sampler.last[:1, None], self.cache, range(1))
                 # the longest prompt one step prefills, once (vLLM's start-up profile run does the same): the heap
                 # grows to it here, not during the first long request (the core process keeps freed memory,
-                # app/engine/core_process.py). GPT-2 124M, 2 CPU cores: +0.6 s of start-up; a fresh server's first
+                # engine/core_process.py). GPT-2 124M, 2 CPU cores: +0.6 s of start-up; a fresh server's first
                 # distinct 512-token prompt 294-350 ms against ~300-320 for those after it (372-429 ms before)
                 longest = min(self.max_len, self.scheduler.idle_prefill_chunk or self.max_len)
                 if longest > 2:
@@ -313,7 +313,7 @@ class EngineCore:
     def _capture_graphs(self) -> None:
         """Capture the decode step per batch bucket; keep the graphs only if a replay equals eager decoding."""
         try:
-            from model.cuda_graphs import GraphedDecode
+            from engine.cuda_graphs import GraphedDecode
 
             graphed = GraphedDecode(self.model, self.cache, self.n_slots)
             graphed.capture_all()

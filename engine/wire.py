@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from model.engine_io import EngineRequest, RequestOutput
+from engine.request import EngineRequest, RequestOutput
 
 
 # ---------------------------------------------------------------------------------------------- front → core

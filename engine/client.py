@@ -1,6 +1,6 @@
 """The front's handle on the engine core, wherever the core runs (vLLM V1's `core_client.py`).
 
-- `ProcessEngineClient`: the core in its own process (`app/engine/core_process.py`), reached over a ZMQ DEALER
+- `ProcessEngineClient`: the core in its own process (`engine/core_process.py`), reached over a ZMQ DEALER
   socket; one MessagePack frame per engine step comes back. The server's default.
 - `ThreadEngineClient`: the same core loop in a thread of this process (GPT_ENGINE=thread): for tests that reach
   into the model, and for debugging. Same core, same loop, same messages; only the transport differs.
@@ -21,9 +21,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from app.engine.core_loop import CoreLoop
-from app.engine.output_processor import OutputProcessor, RequestState
-from app.engine.wire import (
+from engine.core_loop import CoreLoop
+from engine.output_processor import OutputProcessor, RequestState
+from engine.request import EngineRequest, ErrorKind, StructuredSpec
+from engine.sampling import SamplingParams
+from engine.wire import (
     Abort,
     Add,
     Classified,
@@ -36,11 +38,9 @@ from app.engine.wire import (
     decode_to_front,
     encode,
 )
-from model.engine_io import EngineRequest, ErrorKind, StructuredSpec
-from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
-log = logging.getLogger("app.engine")
+log = logging.getLogger("engine")
 
 
 class EngineError(Exception):

@@ -1,9 +1,9 @@
 """What goes into the engine core and what comes out of it: plain dataclasses, no torch, no HTTP.
 
 The same types travel in-process (the library's `generate`, the server's thread mode) and between processes
-(the server's core process encodes them with msgspec, `app/engine/wire.py`), as vLLM V1's `EngineCoreRequest` /
+(the server's core process encodes them with msgspec, `engine/wire.py`), as vLLM V1's `EngineCoreRequest` /
 `EngineCoreOutput` do. The core deals in token ids only: detokenizing and stop strings belong to whoever reads
-the outputs (`model.generate.Sequence`), which aborts a request when its text hits a stop string.
+the outputs (`engine.generate.Sequence`), which aborts a request when its text hits a stop string.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from model.sampling import SamplingParams
-from model.stopping import FinishReason
+from engine.sampling import SamplingParams
+from engine.stopping import FinishReason
 
 
 class ErrorKind(StrEnum):
@@ -29,7 +29,7 @@ class ErrorKind(StrEnum):
 
 @dataclass
 class StructuredSpec:
-    """A grammar the request's output must follow (model/structured_output.py compiles it). Plain data: it
+    """A grammar the request's output must follow (engine/structured_output.py compiles it). Plain data: it
     travels to the core process inside EngineRequest."""
 
     kind: str  # "json_schema" | "json_object" | "regex" | "grammar" (EBNF or Lark) | "choice"

@@ -1,6 +1,6 @@
 """Which token prefixes the KV-cache slots hold: the index that prefix caching matches new prompts against.
 
-Pure bookkeeping (no torch), owned by the scheduler (`model.scheduler`), tested in `tests/test_prefix_cache.py`.
+Pure bookkeeping (no torch), owned by the scheduler (`engine.scheduler`), tested in `tests/test_prefix_cache.py`.
 
 Every slot keeps the tokens whose keys and values it holds (positions 0..n-1), whether a request is running
 there or the slot is idle and merely remembers what its last request left. Positions are learned absolute

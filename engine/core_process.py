@@ -8,7 +8,7 @@
 Why a process: with the model loop and the HTTP front in one interpreter, the decode step waited for the GIL
 after every torch op while the event loop encoded JSON and walked Starlette's send chain (12–18 ms steps in the
 server vs 7 ms alone, issue 16). Here the core's process does nothing but schedule, compute and send one
-MessagePack frame per step and front (`app/engine/wire.py`); detokenizing, stop strings and SSE stay in the fronts.
+MessagePack frame per step and front (`engine/wire.py`); detokenizing, stop strings and SSE stay in the fronts.
 
 The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group: the front drains and then tells
 the core to stop), ends its requests and exits 0 on SIGTERM or a `Shutdown` message, and gets SIGTERM when its
@@ -27,11 +27,11 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("app.engine")
+log = logging.getLogger("engine")
 
 
 class StartupError(RuntimeError):
@@ -59,14 +59,10 @@ class CoreConfig:
 
     @classmethod
     def from_settings(cls, s) -> CoreConfig:
-        return cls(checkpoint=str(s.checkpoint), device=s.device, dtype=s.dtype,
-                   torch_threads=s.torch_threads, max_batch_size=s.max_batch_size,
-                   kv_cache_memory_fraction=s.kv_cache_memory_fraction,
-                   prefill_chunk=s.prefill_chunk, idle_prefill_chunk=s.idle_prefill_chunk,
-                   prefix_cache=s.prefix_cache,
-                   prefix_cache_min_tokens=s.prefix_cache_min_tokens, prepack_weights=s.prepack_weights,
-                   warmup=s.warmup, cuda_graphs=s.cuda_graphs,
-                   log_level=s.log_level)
+        """The fields of a settings object (the server's `Settings`) that share a name with ours."""
+        values = {f.name: getattr(s, f.name) for f in fields(cls) if hasattr(s, f.name)}
+        values["checkpoint"] = str(values["checkpoint"])
+        return cls(**values)
 
 
 # ---------------------------------------------------------------------------------------------- building
@@ -75,8 +71,8 @@ def load_model(cfg: CoreConfig):
     with a one-line reason on failure."""
     import torch
 
-    from app.config import SettingsError, resolve_device, resolve_dtype
     from model.checkpoint import CheckpointError, load_checkpoint
+    from model.device import resolve_device, resolve_dtype
 
     t0 = time.perf_counter()
     if cfg.torch_threads:
@@ -84,7 +80,7 @@ def load_model(cfg: CoreConfig):
     try:
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
-    except SettingsError as e:
+    except ValueError as e:
         raise StartupError(str(e)) from None
     try:
         ckpt = load_checkpoint(cfg.checkpoint, device=device, dtype=dtype)
@@ -100,8 +96,9 @@ def build_core(cfg: CoreConfig, loaded=None):
     the server's settings become an EngineCore, for the core process and the in-process mode alike."""
     import torch
 
-    from app.config import DTYPE_NAMES, default_max_batch_size
-    from model.engine_core import EngineCore
+    from engine.core import EngineCore
+    from engine.sizing import default_max_batch_size
+    from model.device import DTYPE_NAMES
     from model.task_head import TaskError, load_task
 
     ckpt, device, dtype, seconds = loaded if loaded is not None else load_model(cfg)
@@ -144,11 +141,11 @@ class ZmqTransport:
     def recv(self, timeout: float) -> list:
         import zmq
 
-        from app.engine.wire import decode_to_core
+        from engine.wire import decode_to_core
 
         if timeout > 0 and not self.sock.poll(int(timeout * 1000)):
             if os.getppid() != self.parent_pid:  # the server is gone (PDEATHSIG is Linux-only)
-                from app.engine.wire import Shutdown
+                from engine.wire import Shutdown
 
                 return [(b"", Shutdown())]
             return []
@@ -164,7 +161,7 @@ class ZmqTransport:
                 log.error("dropped a malformed message from a front: %s", e)
 
     def send(self, client: bytes, msg) -> None:
-        from app.engine.wire import encode
+        from engine.wire import encode
 
         if client:
             self.sock.send_multipart([client, encode(msg)], copy=False)
@@ -240,7 +237,7 @@ def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int) -> Non
     info["malloc_keeps_freed_memory"] = malloc_tuned
     import zmq
 
-    from app.engine.core_loop import CoreLoop
+    from engine.core_loop import CoreLoop
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)

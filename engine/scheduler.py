@@ -19,7 +19,7 @@ One step, as vLLM V1's `EngineCore.step` runs it: `schedule(now)` → the core e
   or swapping with the prompt being prefilled there); a request that ends hands its slot to the last
   decoding one. Moves are recorded as ops, applied by the core in order before the next step computes.
 - Prefix caching (`prefix_cache=True`; the server's default, `GPT_PREFIX_CACHE`): a slot keeps its keys and
-  values when its request ends, and `model.prefix_cache.PrefixIndex` remembers which tokens every slot holds. A
+  values when its request ends, and `engine.prefix_cache.PrefixIndex` remembers which tokens every slot holds. A
   new prompt takes the slot with the longest common prefix when that slot is idle (only the rest is prefilled, as
   llama.cpp's server does), or a free slot into which that prefix is copied from a running one (`("copy", src,
   dst, n)`: a copy of n tokens costs far less than their prefill); with no match, the least recently used idle
@@ -42,9 +42,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from model.engine_io import EngineRequest, ErrorKind, RequestOutput
-from model.prefix_cache import DEFAULT_BLOCK, PrefixIndex
-from model.stopping import FinishReason
+from engine.prefix_cache import DEFAULT_BLOCK, PrefixIndex
+from engine.request import EngineRequest, ErrorKind, RequestOutput
+from engine.stopping import FinishReason
 
 
 @dataclass(eq=False)
@@ -240,7 +240,7 @@ class Scheduler:
                 r.out.append(d.token)
             params = r.request.params
             finish = None
-            stop = getattr(d, "stop", False)  # its grammar is complete (model/structured_output.py)
+            stop = getattr(d, "stop", False)  # its grammar is complete (engine/structured_output.py)
             may_stop = r.generated > params.min_tokens  # the sampler suppresses stops until then
             if d.token == self.eos_id and ((params.stop_at_eos and may_stop) or stop):
                 finish = FinishReason.EOS

@@ -3,8 +3,8 @@
 `EngineCore.step`, send each front the step's outputs for its requests in one message; block on the transport
 only while there is nothing to compute.
 
-A transport has `recv(timeout) -> [(client, message)]` and `send(client, message)`; `app/engine/client.py`
-has the in-process one (a queue and the event loop's call_soon_threadsafe), `app/engine/core_process.py`
+A transport has `recv(timeout) -> [(client, message)]` and `send(client, message)`; `engine/client.py`
+has the in-process one (a queue and the event loop's call_soon_threadsafe), `engine/core_process.py`
 the ZMQ one.
 """
 
@@ -14,11 +14,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from app.engine.wire import Abort, Add, Classified, Classify, Hello, Outputs, Pause, Ready, Shutdown
-from model.engine_core import EngineCore
-from model.engine_io import ErrorKind, RequestOutput
+from engine.core import EngineCore
+from engine.request import ErrorKind, RequestOutput
+from engine.wire import Abort, Add, Classified, Classify, Hello, Outputs, Pause, Ready, Shutdown
 
-log = logging.getLogger("app.engine")
+log = logging.getLogger("engine")
 
 IDLE_WAIT_S = 1.0  # nothing to compute: block on the transport this long at most (deadlines are checked after)
 PAUSED_WAIT_S = 0.02

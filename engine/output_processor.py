@@ -18,10 +18,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from model.engine_io import ErrorKind, PromptLogprobs, RequestOutput
-from model.generate import Sequence
-from model.sampling import SamplingParams
-from model.stopping import FinishReason
+from engine.generate import Sequence
+from engine.request import ErrorKind, PromptLogprobs, RequestOutput
+from engine.sampling import SamplingParams
+from engine.stopping import FinishReason
 from model.tokenizer import Tokenizer
 
 

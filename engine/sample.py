@@ -1,6 +1,6 @@
 """Sample from a checkpoint on the command line, streaming tokens as they arrive.
 
-    python -m model.sample --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
+    python -m engine.sample --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
                            [--top-k K] [--top-p P] [--seed S] [--num-samples N] [--interactive]
 
 Prints only the continuation on stdout (the prompt is not echoed); `--interactive`
@@ -15,11 +15,11 @@ import argparse
 import os
 import sys
 
+from engine.generate import stream_generate
+from engine.sampling import SamplingParams
 from model.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from model.device import resolve_device, resolve_dtype
-from model.generate import stream_generate
 from model.kv_cache import ContextLengthError
-from model.sampling import SamplingParams
 
 EXIT_SIGINT = 130  # 128 + SIGINT, as a shell reports a process killed by Ctrl-C
 EXIT_SIGPIPE = 141  # 128 + SIGPIPE, as `yes | head` reports it
@@ -35,7 +35,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m model.sample", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m engine.sample", description=__doc__.split("\n\n")[0],
                                  formatter_class=_HelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="checkpoint directory")
     ap.add_argument("--prompt", default=None,

@@ -1,7 +1,7 @@
 """Generation for the library and the CLIs: a batch of prompts through the engine core.
 
 `generate` / `stream_generate` validate the requests (parameters, context length, the seed drawn once
-here when none is given), then drive a `model.engine_core.EngineCore` to completion: the same scheduler,
+here when none is given), then drive a `engine.core.EngineCore` to completion: the same scheduler,
 cache, sampler and step the server runs. `Sequence` is the reader's side of a request, as vLLM's output
 processor: it detokenizes the core's token ids as they stream, matches stop strings (and aborts the request
 in the core when one hits) and keeps the finish reason. `prefill` / `decode_step` are the bare model calls,
@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.engine_core import EngineCore
-from model.engine_io import EngineRequest
+from engine.core import EngineCore
+from engine.request import EngineRequest
+from engine.sampling import SamplingParams, draw_seed
+from engine.stopping import FinishReason, StopMatcher
 from model.gpt import GPT
 from model.kv_cache import ContextLengthError, KVCache
-from model.sampling import SamplingParams, draw_seed
-from model.stopping import FinishReason, StopMatcher
 from model.tokenizer import Tokenizer
 
 

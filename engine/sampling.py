@@ -121,7 +121,7 @@ class SamplingParams:
 
 def draw_seed() -> int:
     """A random seed for a request that names none: the one place seeds are drawn (at validation: the
-    server's app/validation.py, the library's model.generate.make_sequences); everything after requires one."""
+    server's app/validation.py, the library's engine.generate.make_sequences); everything after requires one."""
     return secrets.randbits(RANDOM_SEED_BITS)
 
 
@@ -165,7 +165,7 @@ class _Kind:
     top_n: int
     bias: bool = False  # logit_bias
     min_tokens: bool = False  # EOS / stop token ids suppressed for the first min_tokens tokens
-    constrained: bool = False  # a grammar masks its tokens (model/structured_output.py)
+    constrained: bool = False  # a grammar masks its tokens (engine/structured_output.py)
     sharpened: bool = False  # temperature below 1: d / T reaches exp's slow path sooner (see _sample)
 
 
@@ -353,7 +353,7 @@ class Sampler:
     @torch.inference_mode()
     def step(self, logits: torch.Tensor, slots: range | list[int], bitmask: torch.Tensor | None = None) -> list[Draw]:
         """Pick one token per row of logits (B, ≥ vocab) for `slots`, record them, return them on the host.
-        `bitmask`: on the device, the packed int32 masks (model/structured_output.py) of the constrained slots
+        `bitmask`: on the device, the packed int32 masks (engine/structured_output.py) of the constrained slots
         among them, in slot order; required when some slot is constrained, else None."""
         plan = self._plan(slots)
         if plan.masked != (bitmask is not None):
@@ -749,7 +749,7 @@ def _table(device: torch.device, multiply: bool = False) -> torch.Tensor:
 
 def mask_bytes(bitmask: torch.Tensor, vocab_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The packed int32 bitmask (k, ceil(V/32)) as int64 byte values (k, ceil(V/8)), the tables' indices (bit j of
-    word i is token 32·i + j: llguidance's and xgrammar's layout, model/structured_output.py; the words are read as
+    word i is token 32·i + j: llguidance's and xgrammar's layout, engine/structured_output.py; the words are read as
     little-endian bytes). `out`: a workspace of ≥ k rows."""
     k, nbytes = bitmask.size(0), (vocab_size + 7) // 8
     by = bitmask.contiguous().view(torch.uint8).view(k, -1)[:, :nbytes]

@@ -346,11 +346,23 @@ def llama_tree(peers: Path) -> Path:
     return peers / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
 
 
-def setup_llama_server(peers: Path, jobs: int) -> dict[str, Any]:
-    """llama-cpp-python's sdist (pip download), its vendored llama.cpp built with cmake (target llama-server)."""
+# llama.cpp's tools built beside llama-server: bench/quality.py scores GGUF files with llama-perplexity and
+# quantizes them with llama-quantize (q4_0, q4_K_M); tests/test_export_gguf.py checks our GGUF export's
+# tokenizer with llama-tokenize (and its greedy tokens with llama-server)
+LLAMA_TOOLS = ("llama-perplexity", "llama-quantize", "llama-tokenize")
+
+
+def llama_binary(peers: Path, name: str) -> Path:
+    return peers / "llama-build" / "bin" / name
+
+
+def setup_llama_server(peers: Path, jobs: int, tools: tuple[str, ...] = LLAMA_TOOLS) -> dict[str, Any]:
+    """llama-cpp-python's sdist (pip download), its vendored llama.cpp built with cmake (target llama-server,
+    plus `tools`: the other targets built by the same call; only the missing ones are built)."""
     log, src = peers / "logs" / "llama-build.log", peers / "src"
     tree, build = llama_tree(peers), peers / "llama-build"
     binary = build / "bin" / "llama-server"
+    missing = [t for t in ("llama-server", *tools) if not (build / "bin" / t).is_file()]
     if not (tree / "CMakeLists.txt").is_file():
         sdist = src / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
         if not sdist.is_file():
@@ -358,10 +370,10 @@ def setup_llama_server(peers: Path, jobs: int) -> dict[str, Any]:
                         f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(src)], log, 1800)
         with tarfile.open(sdist) as tf:
             tf.extractall(src, filter="data")
-    if not binary.is_file():
+    if missing:
         run_logged(["cmake", "-S", str(tree), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
                     "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], log, 1800)
-        run_logged(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"], log, 7200)
+        run_logged(["cmake", "--build", str(build), "--target", *missing, f"-j{jobs}"], log, 7200)
     version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
     return {"binary": str(binary), "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
             "version": (version.stdout + version.stderr).strip().splitlines()[-2:]}

@@ -20,7 +20,7 @@ from app.errors import invalid
 from app.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from app.protocol.tgi import TGIParameters, TGIRequest
 from engine.request import StructuredSpec
-from engine.sampling import GREEDY_TEMPERATURE, SamplingParams, draw_seed
+from engine.sampling import GREEDY_TEMPERATURE, MAX_SEED, SamplingParams, draw_seed
 from engine.structured_output import GrammarError, Grammars
 from model.tokenizer import Tokenizer
 
@@ -81,7 +81,7 @@ class Plan:
         Choice j is seeded `seed + j` (the plan's seed: the request's, or the one drawn at validation), so one
         seed gives n different, reproducible samples."""
         base = self.params.seed
-        return [(i * self.n + j, p, replace(self.params, seed=base + j) if j else self.params)
+        return [(i * self.n + j, p, replace(self.params, seed=(base + j) % (MAX_SEED + 1)) if j else self.params)
                 for i, p in enumerate(self.prompts) for j in range(self.n)]
 
 
@@ -163,8 +163,8 @@ def check_logit_bias(bias: dict[str, float] | None, limits: Limits) -> dict[int,
 
 
 def check_min_tokens(min_tokens: int | None, max_new: int) -> int:
-    """vLLM refuses min_tokens > max_tokens; here it means what it says (no stop before max_tokens), since no
-    JSON schema can state the comparison and /openapi.json must describe every refusal."""
+    """min_tokens above max_tokens means what it says, no stop before max_tokens (the rule stated with
+    engine.sampling.BOUNDS); it is reported as max_tokens."""
     return min(min_tokens or 0, max_new)
 
 

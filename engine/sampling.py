@@ -55,9 +55,11 @@ STREAM_TOKEN, STREAM_BLOCK = 0, 1  # + 2 · round for the top-p redraws
 # T reaches 0 (T = 5e-324 is a valid JSON number), and the distribution is already one-hot.
 GREEDY_TEMPERATURE = 1e-5
 MIN_REPETITION_PENALTY = 0.01  # dividing logits by less overflows; the APIs refuse it
-# Seeds drawn when a request has none (and reported back): below 2^53, so a JSON client in any language (a
-# JavaScript number, a JSON Schema validator comparing as doubles) can send the same seed back exactly.
+# Seeds (asked for, or drawn when a request has none and reported back) are at most 2^53 - 1, the largest integer
+# every JSON reader holds exactly (a JavaScript number; a JSON Schema validator compares as doubles, so a larger
+# bound would let it call 2^63 + 100 "valid"): any client can send the same seed back exactly.
 RANDOM_SEED_BITS = 53
+MAX_SEED = 2**RANDOM_SEED_BITS - 1
 MIN_TOP_P = 1e-6  # smaller top_p (5e-324 is valid JSON) keeps only the most likely token, as this does
 # A constrained row whose allowed tokens carry less mass than this, relative to its most likely token overall, is
 # recomputed relative to its most likely allowed token (Sampler._rescue_underflow). Above it, the tokens whose exp
@@ -65,6 +67,50 @@ MIN_TOP_P = 1e-6  # smaller top_p (5e-324 is valid JSON) keeps only the most lik
 MASK_MASS_FLOOR = 2.0 ** -40
 # exp(EXP_FLOOR) ≈ 1.6e-38, the smallest normal float32's neighbourhood: what lies further below the max weighs nothing
 EXP_FLOOR = -87.0
+
+
+@dataclass(frozen=True)
+class Bound:
+    """An interval of allowed values (None: unbounded on that side)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    def __contains__(self, v) -> bool:  # NaN is in no interval
+        return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+                and (self.le is None or v <= self.le))
+
+    def text(self) -> str:
+        low = f"[{self.ge}" if self.ge is not None else f"({self.gt}" if self.gt is not None else None
+        if low is None or self.le is None:
+            return f">= {self.ge}" if self.ge is not None else f"> {self.gt}" if self.gt is not None \
+                else f"<= {self.le}"
+        return f"in {low}, {self.le}]"
+
+    def field(self, **override) -> dict:
+        """The bound as pydantic `Field` keyword arguments; `override` states where an API differs in range (and
+        why, at the call)."""
+        return {k: v for k, v in (("ge", self.ge), ("gt", self.gt), ("le", self.le)) if v is not None} | override
+
+
+# The one table of sampling bounds: SamplingParams.errors checks it and the HTTP request models take their `Field`
+# limits from it (app/protocol), so the library, the engine and both APIs accept the same values.
+BOUNDS: dict[str, Bound] = {
+    "max_new_tokens": Bound(ge=1),  # (the engine core also runs 0: a request that only scores its prompt)
+    "temperature": Bound(ge=0, le=100),
+    "top_k": Bound(ge=0),
+    "top_p": Bound(gt=0, le=1),
+    "repetition_penalty": Bound(ge=MIN_REPETITION_PENALTY, le=100),
+    "presence_penalty": Bound(ge=-2, le=2),
+    "frequency_penalty": Bound(ge=-2, le=2),
+    "seed": Bound(ge=0, le=MAX_SEED),
+    "logit_bias": Bound(ge=-100, le=100),  # each value
+    # min_tokens above max_new_tokens means what it says (no stop before max_new_tokens): vLLM refuses it, but no
+    # JSON schema can state the comparison and /openapi.json must describe every refusal
+    "min_tokens": Bound(ge=0),
+}
+_INTEGER = ("max_new_tokens", "top_k", "seed", "min_tokens")
 
 
 @dataclass
@@ -87,27 +133,20 @@ class SamplingParams:
     def errors(self) -> list[str]:
         """Problems with the parameters, each naming its field (empty when valid)."""
         e = []
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            e.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not 0.0 <= self.temperature <= 100.0:
-            e.append(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            e.append(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            e.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100.0:
-            e.append(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 100], got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                e.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
-            e.append(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        for name, bound in BOUNDS.items():
+            if name == "logit_bias":
+                if any(v not in bound for v in self.logit_bias.values()):
+                    e.append(f"logit_bias values must be {bound.text()}")
+                continue
+            v = getattr(self, name)
+            if name == "seed" and v is None:
+                continue
+            if name in _INTEGER and not isinstance(v, int):
+                e.append(f"{name} must be an integer {bound.text()}, got {v!r}")
+            elif v not in bound:
+                e.append(f"{name} must be {'an integer ' if name in _INTEGER else ''}{bound.text()}, got {v!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             e.append("stop must be a list of non-empty strings")
-        if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
-            e.append("logit_bias values must be in [-100, 100]")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= max(self.max_new_tokens, 0):
-            e.append(f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}")
         return e
 
     def validate(self) -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.generate import generate
-from engine.sampling import SamplingParams
+from engine.sampling import MAX_SEED, SamplingParams
 from model.gpt import GPT
 from model.task_head import TaskHead, make_batch, special_ids, task_logits
 from model.tokenizer import Tokenizer
@@ -55,7 +55,7 @@ def sample_text(model: GPT, tokenizer: Tokenizer, cfg: TrainConfig) -> str:
     new = min(cfg.sample_tokens, max(block - len(prompt), block // 2))
     prompt = prompt[-(block - new):]
     params = SamplingParams(max_new_tokens=new, temperature=min(cfg.sample_temperature, 100.0),
-                            top_k=cfg.sample_top_k, seed=cfg.seed % 2**63)
+                            top_k=cfg.sample_top_k, seed=cfg.seed % (MAX_SEED + 1))
     was_training = model.training
     model.eval()
     try:

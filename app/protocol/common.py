@@ -6,15 +6,20 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, ConfigDict, Field
 
+from engine.sampling import BOUNDS
+
 MAX_INT = 2**31 - 1
-# 2^53 - 1: the largest integer every JSON reader holds exactly (a JavaScript number; a JSON Schema validator
-# compares as doubles, so a larger bound would let it call 2^63 + 100 "valid"). Random seeds stay below it.
-MAX_SEED = 2**53 - 1
 # strict: JSON types as declared (no "10" for an integer); NaN / Infinity refused; unknown keys ignored
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
-Seed = Annotated[int | None, Field(ge=0, le=MAX_SEED, description="same seed, same request → same tokens")]
+Seed = Annotated[int | None, Field(**BOUNDS["seed"].field(), description="same seed, same request → same tokens")]
 StopString = Annotated[str, Field(min_length=1)]
+
+
+def bound(name: str, **override) -> dict:
+    """`Field` limits of a sampling parameter from the engine's table (engine.sampling.BOUNDS); `override` where
+    an API's range differs (an off value of its own, an integer the JSON schema caps at MAX_INT)."""
+    return BOUNDS[name].field(**override)
 
 
 def only_off(tp: Any, off: Any, why: str, schema: dict) -> Any:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from app.protocol.common import MAX_INT, STRICT, Seed, StopString, null_only, only_off
+from app.protocol.common import MAX_INT, STRICT, Seed, StopString, bound, null_only, only_off
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 16  # prompts per /v1/completions request
@@ -57,25 +57,26 @@ class SamplingFields(BaseModel):
     model_config = STRICT
 
     model: str | None = Field(None, description="ignored: this server serves one model")
-    temperature: float | None = Field(None, ge=0, le=100, description="default 1 (sampled); 0: greedy")
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=MAX_INT, description="vLLM extension; -1 or 0: off")
-    repetition_penalty: float | None = Field(None, ge=0.01, le=100, description="vLLM extension")
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    temperature: float | None = Field(None, **bound("temperature"), description="default 1 (sampled); 0: greedy")
+    top_p: float | None = Field(None, **bound("top_p"))
+    # vLLM's -1 means off, as 0
+    top_k: int | None = Field(None, **bound("top_k", ge=-1, le=MAX_INT), description="vLLM extension; -1 or 0: off")
+    repetition_penalty: float | None = Field(None, **bound("repetition_penalty"), description="vLLM extension")
+    presence_penalty: float | None = Field(None, **bound("presence_penalty"))
+    frequency_penalty: float | None = Field(None, **bound("frequency_penalty"))
     n: int | None = Field(None, ge=1, le=MAX_N, description="choices per prompt; choice i uses seed + i")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: Stop = Field(None, description="up to the server's GPT_MAX_STOP_SEQUENCES strings")
     seed: Seed = None
     user: str | None = None
-    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(
+    logit_bias: Annotated[dict[str, Annotated[float, Field(**bound("logit_bias"))]], Field(
         max_length=MAX_LOGIT_BIAS)] | None = Field(
         None, description="token id (as a string) → a bias in [-100, 100] added to its logit before penalties and "
         "temperature; -100 bans the token, 100 forces it")
     ignore_eos: bool | None = Field(None, description="vLLM extension: keep generating after <|endoftext|>")
-    min_tokens: int | None = Field(None, ge=0, le=MAX_INT, description="vLLM extension: <|endoftext|> and "
-                                   "stop_token_ids cannot be generated before this many tokens")
+    min_tokens: int | None = Field(None, **bound("min_tokens", le=MAX_INT), description="vLLM extension: "
+                                   "<|endoftext|> and stop_token_ids cannot be generated before this many tokens")
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
         None, description="vLLM extension: generating one of these token ids ends the choice (finish_reason stop; "
         "the token's text is not part of the output)")
@@ -97,8 +98,9 @@ class CompletionRequest(SamplingFields):
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                          Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
         description="a string, a list of strings, a list of token ids, or a list of token-id lists")
-    max_tokens: int | None = Field(None, ge=0, le=MAX_INT, description="default 16, as OpenAI's; 0 only with "
-                                   "echo: score the prompt, generate nothing (as vLLM)")
+    # 0 (below the table's 1): only with echo, scoring the prompt
+    max_tokens: int | None = Field(None, **bound("max_new_tokens", ge=0, le=MAX_INT), description="default 16, as "
+                                   "OpenAI's; 0 only with echo: score the prompt, generate nothing (as vLLM)")
     logprobs: int | None = Field(None, ge=0, le=MAX_INT, description="log-probabilities of the chosen token "
                                  "and of this many alternatives (with echo: of the prompt's tokens too)")
     echo: bool | None = Field(None, description="prepend the prompt to the text (with logprobs: and its tokens' "
@@ -125,9 +127,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_INT, description="deprecated name of max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT, description="default: as much as the context "
-                                              "and the server's GPT_DEFAULT_MAX_NEW_TOKENS allow")
+    max_tokens: int | None = Field(None, **bound("max_new_tokens", le=MAX_INT),
+                                  description="deprecated name of max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, **bound("max_new_tokens", le=MAX_INT), description="default: as "
+                                              "much as the context and the server's GPT_DEFAULT_MAX_NEW_TOKENS allow")
     logprobs: bool | None = Field(None, description="return the chosen tokens' log-probabilities")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (with logprobs)")
     tools: only_off(list, [], "tools are not supported", {"maxItems": 0}) = None

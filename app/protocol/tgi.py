@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from app.protocol.common import MAX_INT, STRICT, Seed, StopString, null_only, off_flag, only_off
+from app.protocol.common import MAX_INT, STRICT, Seed, StopString, bound, null_only, off_flag, only_off
 
 
 class TGIGrammar(BaseModel):
@@ -22,13 +22,13 @@ class TGIGrammar(BaseModel):
 class TGIParameters(BaseModel):
     model_config = STRICT
 
-    max_new_tokens: int | None = Field(None, ge=1, le=MAX_INT, description="default: the server's "
+    max_new_tokens: int | None = Field(None, **bound("max_new_tokens", le=MAX_INT), description="default: the server's "
                                        "GPT_DEFAULT_MAX_NEW_TOKENS, within the context")
-    temperature: float | None = Field(None, ge=0, le=100, description="0: greedy")
-    top_k: int | None = Field(None, ge=0, le=MAX_INT, description="0: off")
-    top_p: float | None = Field(None, gt=0, le=1)
-    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    temperature: float | None = Field(None, **bound("temperature"), description="0: greedy")
+    top_k: int | None = Field(None, **bound("top_k", le=MAX_INT), description="0: off")
+    top_p: float | None = Field(None, **bound("top_p"))
+    repetition_penalty: float | None = Field(None, **bound("repetition_penalty"))
+    frequency_penalty: float | None = Field(None, **bound("frequency_penalty"))
     stop: list[StopString] | None = None
     seed: Seed = None
     do_sample: bool | None = Field(None, description="sample (else greedy, unless a warper is set)")

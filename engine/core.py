@@ -271,10 +271,11 @@ class EngineCore:
 
     # ------------------------------------------------------------------ warm-up and stats
     @torch.inference_mode()
-    def warmup(self) -> None:
+    def warmup(self, graph_capture=None) -> None:
         """A short prefill, then a decode step and a sampled step over every slot, then the longest prefill a step
         makes, so first requests do not pay one-time costs (allocator growth, oneDNN primitive creation); CUDA
-        graphs are captured here."""
+        graphs are captured here, last, over empty slots. `graph_capture` replaces the CUDA capture
+        (engine.cuda_graphs.eager_capture: the same sequence on a CPU, for tests)."""
         t0 = time.perf_counter()
         n = self.n_slots
         try:
@@ -297,8 +298,10 @@ class EngineCore:
                     self.cache.reset(0)
                     self.model.forward_cached(torch.zeros(1, longest, dtype=torch.long, device=self.device),
                                               self.cache, [0])
-                if self.cuda_graphs:
-                    self._capture_graphs()
+            if self.cuda_graphs:  # on empty slots: slot 0 may now hold the whole context, and a captured step
+                for s in range(n):  # writes at each slot's length
+                    self.cache.reset(s)
+                self._capture_graphs(graph_capture)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             log.info("warm-up done in %.0f ms", (time.perf_counter() - t0) * 1000)
@@ -310,16 +313,18 @@ class EngineCore:
                 self.cache.reset(s)
                 self.sampler.release(s)
 
-    def _capture_graphs(self) -> None:
-        """Capture the decode step per batch bucket; keep the graphs only if a replay equals eager decoding."""
+    def _capture_graphs(self, capture=None) -> None:
+        """Capture the decode step per (batch, context) bucket; keep the graphs only if a replay equals eager
+        decoding."""
         try:
             from engine.cuda_graphs import GraphedDecode
 
-            graphed = GraphedDecode(self.model, self.cache, self.n_slots)
+            graphed = GraphedDecode(self.model, self.cache, self.n_slots, capture=capture)
             graphed.capture_all()
             if graphed.check(self.n_slots):
                 self._graphed = graphed
-                log.info("decode steps run from CUDA graphs (%d batch buckets)", len(graphed.buckets))
+                log.info("decode steps run from CUDA graphs (%d batch x %d context buckets)", len(graphed.buckets),
+                         len(graphed.contexts))
             else:
                 log.warning("CUDA graph replay differs from eager decoding; decoding eagerly")
         except Exception as e:  # a capture that fails costs speed, never the server

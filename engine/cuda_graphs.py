@@ -1,11 +1,20 @@
 """Decode steps replayed from CUDA graphs: the launch overhead of a small GPT's step disappears.
 
-As in gpt-fast and vLLM, the model stays plain and this backend is swapped in at load time: each batch
-bucket (1, 2, 4, 8, ... up to the cache's slots) gets one graph of `GPT.decode_static`, captured once
-over static buffers (the input tokens, the KV cache, the cache's device lengths). A step copies its
-tokens into the input buffer, replays the bucket's graph and advances the cache; rows past the live
-ones compute garbage that nobody reads (their writes land where their slot's next token goes, and a
-live or prefilling slot overwrites it before reading it).
+As in gpt-fast and vLLM, the model stays plain and this backend is swapped in at load time: each
+(batch, context) bucket gets one graph of `GPT.decode_static`, captured once over static buffers (the
+input tokens, the KV cache, the cache's device lengths). Batch buckets are 1, 2, 4, 8, ... up to the
+cache's slots; context buckets are 256, 512, 1024, ... up to its max_len: a step replays the graph of the
+smallest context that holds its longest row, so a batch of short sequences attends over 256 keys, not
+the whole cache (a graph over `max_len` keys alone made a step at short contexts slower than an eager one,
+which reads only the live keys). A step copies its tokens into the input buffer, replays the bucket's graph
+and advances the cache; rows past the live ones compute garbage that nobody reads (their writes land where
+their slot's next token goes, and a live or prefilling slot overwrites it before reading it; a full slot's
+write is clamped to its last entry, which prefix reuse never reads: `KVCache.plan_static`).
+
+Capturing is the one CUDA-only part, and it is injectable: `capture(step)` gets the step as a function of
+nothing and returns its replay. `CudaGraphCapture` records the step into a CUDA graph; `eager_capture`
+runs it eagerly, so the CPU test suite drives warm-up, capture of every bucket and replays through the
+same code (tests/test_cuda_graphs.py).
 
 `GraphedDecode.check` compares a replay with the eager step on the same state; the engine uses the graphs
 only when they agree, and falls back to eager decoding otherwise.
@@ -13,63 +22,115 @@ only when they agree, and falls back to eager decoding otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from model.gpt import GPT
-from model.kv_cache import KVCache
+from model.kv_cache import ContextLengthError, KVCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+CONTEXT_BUCKETS = tuple(256 << i for i in range(10))  # 256 .. 128K keys; the cache's max_len is always one
+
+Replay = Callable[[], torch.Tensor]
+Capture = Callable[[Replay], Replay]
+
+
+class CudaGraphCapture:
+    """Records a step into a CUDA graph (after two warm-up runs on a side stream, which allocate the workspaces
+    the graph reuses); its replay returns the graph's static output. Graphs share one memory pool: captured
+    largest first, the pool is sized once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = None
+
+    def __call__(self, step: Replay) -> Replay:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+        self.pool = graph.pool()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
+
+
+def eager_capture(step: Replay) -> Replay:
+    """The stand-in without CUDA: 'capturing' runs the step once (as CudaGraphCapture's warm-up runs do), a replay
+    runs it again."""
+    step()
+    return step
+
+
+def context_buckets(max_len: int, sizes=CONTEXT_BUCKETS) -> list[int]:
+    return sorted({c for c in sizes if c < max_len} | {max_len})
 
 
 class GraphedDecode:
-    def __init__(self, model: GPT, cache: KVCache, max_batch: int) -> None:
-        if cache.device.type != "cuda":
-            raise ValueError("CUDA graphs need the model and its cache on a CUDA device")
-        self.model, self.cache = model, cache
+    def __init__(self, model: GPT, cache: KVCache, max_batch: int, *, capture: Capture | None = None,
+                 contexts=CONTEXT_BUCKETS) -> None:
+        if capture is None:
+            if cache.device.type != "cuda":
+                raise ValueError("CUDA graphs need the model and its cache on a CUDA device")
+            capture = CudaGraphCapture(cache.device)
+        self.model, self.cache, self.capture = model, cache, capture
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
+        self.contexts = context_buckets(cache.max_len, contexts)
         self.tokens = torch.zeros(max_batch, 1, dtype=torch.long, device=cache.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self._pool = None
+        self.replays: dict[tuple[int, int], Replay] = {}
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    def context(self, n_keys: int) -> int:
+        return next(c for c in self.contexts if c >= n_keys)
+
+    def key(self, n: int) -> tuple[int, int]:
+        """The (batch, context) bucket of a step over slots 0..n-1: the context holds the longest row's keys after
+        this step's token. A row with no room is a caller's error (ContextLengthError), never an index past the
+        cache (on CUDA a device-side assert that poisons the context)."""
+        longest = max(self.cache.lengths[:n])  # host ints: no sync
+        if longest >= self.cache.max_len:
+            raise ContextLengthError(f"a decode step at position {longest} does not fit the cache's context length "
+                                     f"{self.cache.max_len}")
+        return self.bucket(n), self.context(longest + 1)
+
     @torch.inference_mode()
     def capture_all(self) -> None:
         for b in reversed(self.buckets):  # largest first: the memory pool is sized once
-            self._capture(b)
+            for c in reversed(self.contexts):
+                self._capture(b, c)
 
-    def _capture(self, b: int) -> None:
-        stream = torch.cuda.Stream(self.cache.device)
-        stream.wait_stream(torch.cuda.current_stream(self.cache.device))
-        with torch.cuda.stream(stream):  # warm-up runs allocate the workspaces the graph will reuse
-            for _ in range(2):
-                self.model.decode_static(self.tokens[:b], self.cache)
-        torch.cuda.current_stream(self.cache.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self.outputs[b] = self.model.decode_static(self.tokens[:b], self.cache)
-        self._pool = graph.pool()
-        self.graphs[b] = graph
+    def _step(self, b: int, c: int) -> Replay:
+        return lambda: self.model.decode_static(self.tokens[:b], self.cache, kv_len=c)
+
+    def _capture(self, b: int, c: int) -> Replay:
+        replay = self.replays[b, c] = self.capture(self._step(b, c))
+        return replay
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, n: int) -> torch.Tensor:
         """Next-token logits (n, vocab) for slots 0..n-1 fed `tokens` (n,); advances the cache."""
-        b = self.bucket(n)
-        if b not in self.graphs:
-            self._capture(b)
+        key = self.key(n)
+        replay = self.replays.get(key) or self._capture(*key)
         self.tokens[:n, 0].copy_(tokens)
-        self.graphs[b].replay()
+        out = replay()
         self.cache.advance(range(n), 1)
-        return self.outputs[b][:n]
+        return out[:n]
 
     @torch.inference_mode()
     def check(self, n: int, atol: float = 1e-2) -> bool:
         """A replay equals the eager step on the same cache state (the state is left as it was)."""
-        b = self.bucket(n)
-        eager = self.model.decode_static(self.tokens[:b], self.cache).float()
-        if b not in self.graphs:
-            self._capture(b)
-        self.graphs[b].replay()
-        return bool(torch.allclose(self.outputs[b].float(), eager, atol=atol, rtol=1e-2))
+        b, c = key = self.key(n)
+        eager = self._step(b, c)().float()
+        replay = self.replays.get(key) or self._capture(*key)
+        return bool(torch.allclose(replay().float(), eager, atol=atol, rtol=1e-2))

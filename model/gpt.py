@@ -343,7 +343,7 @@ class GPT(nn.Module):
         """Logits of final hidden states (..., n_embd) from `forward_cached(..., hidden=True)`."""
         return linear(h, self.lm_head)
 
-    def decode_static(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def decode_static(self, idx: torch.Tensor, cache: KVCache, kv_len: int | None = None) -> torch.Tensor:
         """idx (B, 1): one token for each of slots 0..B-1 → logits (B, vocab), with static shapes
         (`KVCache.plan_static`); the caller advances the cache. The body that a CUDA graph captures."""
         step = cache.plan_static(idx.size(0))

@@ -132,13 +132,22 @@ class KVCache:
         return CacheStep(slot_index, slot_range, positions, mask[:, None], kv_len,
                          start=start if uniform else None)
 
-    def plan_static(self, n_rows: int) -> CacheStep:
+    def plan_static(self, n_rows: int, kv_len: int | None = None) -> CacheStep:
         """One token for each of slots 0..n_rows-1, with shapes that do not depend on what the slots hold:
-        positions come from the device lengths and attention covers the whole cache under a mask. Nothing
-        here reads the host, so a CUDA graph can capture the step once and replay it (engine.cuda_graphs)."""
-        positions = self.lengths_t[:n_rows, None]  # (B, 1), a view: read at replay time
-        mask = self._arange[None, None, None, : self.max_len] <= positions[:, None, :, None]  # (B, 1, 1, S)
-        return CacheStep(self._arange[:n_rows], slice(0, n_rows), positions, mask, self.max_len)
+        positions come from the device lengths and attention covers the first kv_len cache entries (default: the
+        whole cache) under a mask. Nothing here reads the host, so a CUDA graph can capture the step once and
+        replay it (engine.cuda_graphs picks kv_len per step: the context bucket that holds its longest live row).
+
+        A position is clamped to max_len - 1: a live row never gets there (GraphedDecode.key refuses a row with no
+        room), but a padding row may be a full idle slot, and its write would land past the cache (a device-side
+        assert on CUDA). Clamped, it overwrites the slot's last entry, which prefix reuse never reads (it keeps at
+        most a prompt's length - 1 entries)."""
+        kv_len = self.max_len if kv_len is None else kv_len
+        if not 0 < kv_len <= self.max_len:
+            raise ContextLengthError(f"kv_len {kv_len} must be in 1..max_len ({self.max_len})")
+        positions = self.lengths_t[:n_rows, None].clamp(max=self.max_len - 1)  # (B, 1), read at replay time
+        mask = self._arange[None, None, None, :kv_len] <= positions[:, None, :, None]  # (B, 1, 1, S)
+        return CacheStep(self._arange[:n_rows], slice(0, n_rows), positions, mask, kv_len)
 
     def advance(self, slots: list[int] | range, n_tokens: int) -> None:
         for s in slots:

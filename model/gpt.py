@@ -345,8 +345,9 @@ class GPT(nn.Module):
 
     def decode_static(self, idx: torch.Tensor, cache: KVCache, kv_len: int | None = None) -> torch.Tensor:
         """idx (B, 1): one token for each of slots 0..B-1 → logits (B, vocab), with static shapes
-        (`KVCache.plan_static`); the caller advances the cache. The body that a CUDA graph captures."""
-        step = cache.plan_static(idx.size(0))
+        (`KVCache.plan_static`, attending over the first kv_len cache entries, default all); the caller advances
+        the cache. The body that a CUDA graph captures."""
+        step = cache.plan_static(idx.size(0), kv_len)
         x = self._embed(idx, step.positions)
         for i, block in enumerate(self.transformer.h):
             x = block(x, (cache.k[i], cache.v[i]), step)

@@ -6,9 +6,11 @@
 #
 # Build arguments:
 #   TORCH_VERSION     torch version to install (default 2.13.0).
-#   TORCH_VARIANT     PyTorch wheel index tag: cu130 (default; torch 2.13's CUDA 13.0 build, NVIDIA
-#                     driver >= 580), another CUDA tag the PyTorch index publishes for this version
-#                     (e.g. cu128/cu126 for older drivers), or cpu.
+#   TORCH_VARIANT     PyTorch wheel index tag: cu128 (default; torch's CUDA 12.8 build, NVIDIA driver
+#                     >= 570, and R525+ drivers through CUDA 12's minor-version compatibility), cu130
+#                     (CUDA 13.0, driver >= 580), another CUDA tag the PyTorch index publishes for this
+#                     version (e.g. cu126), or cpu. On a host whose driver is too old for the build,
+#                     the server refuses to start with one line instead of serving on the CPU.
 #   TORCH_INDEX_URL   index torch (and its dependencies) is installed from; default
 #                     https://download.pytorch.org/whl/${TORCH_VARIANT}. Point it at a mirror if needed.
 #   TORCH_FIND_LINKS  optional extra place (URL or directory listing) pip searches for the torch wheel,
@@ -37,7 +39,7 @@ ENV PATH=/opt/venv/bin:$PATH
 # torch first and on its own layer: it is by far the largest dependency and changes least often.
 # (ARGs declared here, not above, so changing them does not invalidate the venv layer.)
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_VARIANT=cu130
+ARG TORCH_VARIANT=cu128
 ARG TORCH_INDEX_URL=
 ARG TORCH_FIND_LINKS=
 RUN index="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/${TORCH_VARIANT}}"; \
@@ -69,6 +71,7 @@ WORKDIR /src
 # README.m[d]: copied when present (pyproject's `readme` points at it), no error when absent.
 COPY pyproject.toml README.m[d] ./
 COPY model/ ./model/
+COPY engine/ ./engine/
 COPY app/ ./app/
 COPY training/ ./training/
 COPY checkpoints/shakespeare/ ./checkpoints/shakespeare/
@@ -100,7 +103,7 @@ RUN groupadd --system --gid 10001 app; \
 COPY --from=deps /opt/venv /opt/venv
 
 WORKDIR /app
-# model/ app/ training/ pyproject.toml (README.md) and the bundled checkpoints/shakespeare/.
+# model/ engine/ app/ training/ pyproject.toml (README.md) and the bundled checkpoints/shakespeare/.
 COPY --from=src /src/ ./
 # Dependencies are in the venv already: install only the package (metadata, entry points).
 RUN pip install --no-deps --no-build-isolation . ; \

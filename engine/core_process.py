@@ -82,6 +82,10 @@ def load_model(cfg: CoreConfig):
         dtype = resolve_dtype(cfg.dtype, device)
     except ValueError as e:
         raise StartupError(str(e)) from None
+    if device.type == "cuda" and device.index is not None:
+        # cuda:N is this process's current device: what is made without an explicit device (CUDA graphs' capture
+        # stream and memory pool, cuBLAS workspaces, torch.cuda.synchronize()) lands there, not on GPU 0
+        torch.cuda.set_device(device)
     try:
         ckpt = load_checkpoint(cfg.checkpoint, device=device, dtype=dtype)
     except CheckpointError as e:

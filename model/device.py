@@ -2,15 +2,43 @@
 
 from __future__ import annotations
 
+import glob
+import os
+
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
+def reserved_gpu() -> str | None:
+    """What says this process was given an NVIDIA GPU (a device node, or the container runtime's
+    NVIDIA_VISIBLE_DEVICES naming one), or None."""
+    nodes = sorted(p for p in glob.glob("/dev/nvidia*") if p[len("/dev/nvidia"):].isdigit())
+    if nodes:
+        return nodes[0]
+    visible = os.environ.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+    if visible and visible.lower() not in ("void", "none"):
+        return f"NVIDIA_VISIBLE_DEVICES={visible}"
+    return None
+
+
 def resolve_device(name: str = "auto") -> torch.device:
+    """auto: the GPU when torch can use one, else the CPU, except where a GPU was given to this process but torch
+    cannot use it (a CPU build of torch, or a CUDA build newer than the driver): that is a deployment error, not a
+    reason to serve on the CPU at a fraction of the speed, so it fails with one line (ValueError); --device cpu
+    says the CPU is meant."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        gpu = reserved_gpu()
+        if gpu is not None:
+            build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU-only build"
+            raise ValueError(f"a GPU is reserved ({gpu}) but torch {torch.__version__} ({build}) cannot use it "
+                             f"(torch.cuda.is_available() is False: a driver older than the build needs, or no "
+                             f"CUDA build); install a torch build this driver runs (the image: --build-arg "
+                             f"TORCH_VARIANT=cu128 or cu126) or pass --device cpu to serve on the CPU")
+        return torch.device("cpu")
     if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
         raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
     if name.startswith("cuda") and not torch.cuda.is_available():

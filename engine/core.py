@@ -39,7 +39,7 @@ from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import Scheduler, Step
 from engine.structured_output import Grammars, Matchers
 from model.gpt import GPT
-from model.kv_cache import KVCache
+from model.kv_cache import KVCache, device_index
 
 log = logging.getLogger("engine.core")
 
@@ -168,7 +168,7 @@ class EngineCore:
             if len(slots) == 1:
                 idx = self.sampler.prompt_slice(slots[0], chunk.start, chunk.start + chunk.n).view(1, -1)
             else:  # the prompts are on the device already (written at admission)
-                idx = self.sampler.history[torch.tensor(slots, device=self.device), chunk.start:chunk.start + chunk.n]
+                idx = self.sampler.history[device_index(slots, self.device), chunk.start:chunk.start + chunk.n]
             scoring = [i for i, r in enumerate(chunk.reqs) if r.request.prompt_logprobs is not None]
             if scoring:  # the hidden states of every position, through the head in pieces
                 h = self.model.forward_cached(idx, self.cache, slots, hidden=True)
@@ -184,7 +184,7 @@ class EngineCore:
                 if len(rows) == len(slots):
                     draws += self.sampler.step(logits, slots, mask)
                 else:  # some of the group only score their prompt
-                    draws += self.sampler.step(logits[torch.tensor(rows, device=logits.device)],
+                    draws += self.sampler.step(logits[device_index(rows, logits.device)],
                                                [slots[i] for i in rows], mask)
         if step.decode:
             n = len(step.decode)

@@ -65,6 +65,8 @@ MIN_TOP_P = 1e-6  # smaller top_p (5e-324 is valid JSON) keeps only the most lik
 # recomputed relative to its most likely allowed token (Sampler._rescue_underflow). Above it, the tokens whose exp
 # underflowed (< 1.2e-38) weigh < 1e-21 of the allowed mass each: nothing in float32.
 MASK_MASS_FLOOR = 2.0 ** -40
+# devices where _rescue_underflow reads its flags back (no device to wait for); elsewhere it stays on the device
+READBACK_DEVICES = ("cpu",)
 # exp(EXP_FLOOR) ≈ 1.6e-38, the smallest normal float32's neighbourhood: what lies further below the max weighs nothing
 EXP_FLOOR = -87.0
 
@@ -728,8 +730,12 @@ class Sampler:
         """Constrained rows whose allowed mass in e (relative to the max over all tokens) is below MASK_MASS_FLOOR
         (the grammar allows only tokens the model finds far less likely: their exp may have underflowed) get e,
         bsum and total again relative to the max over their allowed tokens: exact. A read-back of one flag per
-        constrained row; the recomputation runs on those rows only (rare: a gap of ~28 nats · T)."""
+        constrained row; the recomputation runs on those rows only (rare: a gap of ~28 nats · T). On a GPU the
+        read-back would stall the step: there every constrained row is recomputed and kept where its mass is low."""
         mass = total if plan.mask_rows is None else total[plan.mask_rows]
+        if e.device.type not in READBACK_DEVICES:
+            self._rescue_underflow_all_rows(e, bsum, total, src, scale, plan, bitmask, mass < MASK_MASS_FLOOR)
+            return
         low = (mass < MASK_MASS_FLOOR).nonzero()[:, 0]
         if not low.numel():
             return
@@ -744,6 +750,24 @@ class Sampler:
         b = er.unflatten(1, (self.n_blocks, self.block)).sum(-1)
         bsum[rows] = b
         total[rows] = b.sum(-1)
+
+    def _rescue_underflow_all_rows(self, e: torch.Tensor, bsum: torch.Tensor, total: torch.Tensor, src: torch.Tensor,
+                                   scale: torch.Tensor | None, plan: _Plan, bitmask: torch.Tensor,
+                                   low: torch.Tensor) -> None:
+        """_rescue_underflow without a read-back: every constrained row recomputed, kept (torch.where) where `low`
+        (one flag per constrained row)."""
+        rows = plan.mask_rows  # None: every row is constrained
+        z = src.clone() if rows is None else src[rows]
+        apply_bitmask(z, bitmask, self.vocab_size)
+        if scale is not None:
+            z.mul_(scale if rows is None else scale[rows])
+        top = z.amax(-1, keepdim=True).clamp_(min=torch.finfo(z.dtype).min)
+        er = z.sub_(top).exp_()
+        b = er.unflatten(1, (self.n_blocks, self.block)).sum(-1)
+        sel = (slice(None),) if rows is None else (rows,)
+        e[sel] = torch.where(low[:, None], er, e[sel])
+        bsum[sel] = torch.where(low[:, None], b, bsum[sel])
+        total[sel] = torch.where(low, b.sum(-1), total[sel])
 
     def _penalize(self, z: torch.Tensor, plan: _Plan) -> None:
         """Penalties on the raw logits in z (B, padded), sparse: over each row's history, not the vocabulary."""

@@ -21,6 +21,18 @@ class ContextLengthError(ValueError):
     """A sequence would grow past the cache's (or the model's) context length."""
 
 
+def device_index(values, device: torch.device) -> torch.Tensor:
+    """A long tensor of `values` (host ints: slots, rows) on `device` without waiting for it: on CUDA through pinned
+    memory and an asynchronous copy (the caching host allocator keeps the pinned block until the copy is done;
+    torch.tensor(..., device="cuda") copies from pageable memory and synchronizes the stream); on CPU torch.tensor."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class KVCache:
     def __init__(
         self,
@@ -82,7 +94,7 @@ class KVCache:
         through views instead of gathering each layer's keys and values for the active slots.
         """
         n = max(self.lengths[s] for s in src)
-        s_idx, d_idx = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        s_idx, d_idx = device_index(src, self.device), device_index(dst, self.device)
         if n:
             for t in self.k + self.v:
                 t[d_idx, :, :n] = t[s_idx, :, :n]  # the right side is a gathered copy
@@ -119,7 +131,7 @@ class KVCache:
         if contiguous:  # a view; others need a gather (built from the list: only off the server's path)
             slot_range, slot_index = slice(first, first + B), self._arange[first:first + B]
         else:
-            slot_range, slot_index = None, torch.tensor(list(slots), dtype=torch.long, device=self.device)
+            slot_range, slot_index = None, device_index(list(slots), self.device)
         start = lengths[0]
         uniform = all(n == start for n in lengths)
         if uniform and (n_tokens == 1 or start == 0):
@@ -156,7 +168,7 @@ class KVCache:
         if (isinstance(slots, range) and slots.step == 1) or len(slots) == 1:
             self.lengths_t[first:first + len(slots)] += n_tokens
         else:
-            self.lengths_t[torch.tensor(list(slots), device=self.device)] += n_tokens
+            self.lengths_t[device_index(list(slots), self.device)] += n_tokens
 
 
 @dataclass

@@ -227,7 +227,7 @@ class Service:
         reqs: list[tuple[int, RequestState]] = []
         try:
             for index, prompt, params in plan.choices():
-                st = self.engine.add(prompt.ids, params, params.seed, top_n=plan.top_n,
+                st = self.engine.add(prompt.ids, params, top_n=plan.top_n,
                                      timeout_s=self.settings.request_timeout_s,
                                      prompt_logprobs=plan.prompt_logprobs, structured=plan.structured)
                 reqs.append((index, st))

@@ -19,8 +19,8 @@ from app.chat_template import ChatTemplate, ChatTemplateError
 from app.errors import invalid
 from app.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from app.protocol.tgi import TGIParameters, TGIRequest
-from engine.request import StructuredSpec
-from engine.sampling import GREEDY_TEMPERATURE, MAX_SEED, SamplingParams, draw_seed
+from engine.request import StructuredSpec, context_problem
+from engine.sampling import GREEDY_TEMPERATURE, MAX_SEED, SamplingParams, bad_token, draw_seed
 from engine.structured_output import GrammarError, Grammars
 from model.tokenizer import Tokenizer
 
@@ -115,23 +115,20 @@ def check_top_n(n: int | None, field_name: str, limits: Limits) -> int:
 
 def fit_context(n_prompt: int, max_new: int | None, limits: Limits, prompt_field: str, new_field: str,
                 default: int | None = None) -> int:
-    """Check the prompt and the generation budget against the limits; returns max_new_tokens to use."""
+    """Check the prompt and the generation budget against the limits (the context's rule is the engine's,
+    engine.request.context_problem); returns max_new_tokens to use."""
     if n_prompt > limits.max_prompt_tokens:
         raise invalid(prompt_field, f"the prompt has {n_prompt} tokens; at most {limits.max_prompt_tokens} "
                                     "are allowed")
-    room = limits.block_size - n_prompt
-    if room < 1:
-        raise invalid(prompt_field, f"the prompt has {n_prompt} tokens, which fills the model's context of "
-                                    f"{limits.block_size} tokens and leaves no room to generate")
+    if problem := context_problem(n_prompt, 1, limits.block_size):  # whatever is asked, one token must fit
+        raise invalid(prompt_field, problem[1])
     if max_new is None:
         default = limits.default_max_new_tokens if default is None else default
-        return max(1, min(default, limits.max_new_tokens, room))
+        return max(1, min(default, limits.max_new_tokens, limits.block_size - n_prompt))
     if max_new > limits.max_new_tokens:
         raise invalid(new_field, f"must be <= {limits.max_new_tokens}")
-    if max_new > room:
-        raise invalid(new_field, f"the prompt ({n_prompt} tokens) + {new_field} ({max_new}) = {n_prompt + max_new} "
-                                 f"exceeds the model's context length of {limits.block_size} tokens; ask for at "
-                                 f"most {room}")
+    if problem := context_problem(n_prompt, max_new, limits.block_size, new_name=new_field):
+        raise invalid(new_field, problem[1])
     return max_new
 
 
@@ -143,9 +140,8 @@ def encode(tokenizer: Tokenizer, text: str, field_name: str) -> list[int]:
 
 
 def check_ids(ids: list[int], field_name: str, limits: Limits) -> list[int]:
-    for i, t in enumerate(ids):
-        if not 0 <= t < limits.vocab_size:
-            raise invalid(f"{field_name}.{i}", f"token id {t} is out of range [0, {limits.vocab_size})")
+    if bad := bad_token(ids, limits.vocab_size):
+        raise invalid(f"{field_name}.{bad[0]}", f"token id {bad[1]} is out of range [0, {limits.vocab_size})")
     return ids
 
 
@@ -156,7 +152,7 @@ def check_logit_bias(bias: dict[str, float] | None, limits: Limits) -> dict[int,
         if not (key.isascii() and key.isdigit()) or str(int(key)) != key:
             raise invalid(f"logit_bias.{key}", "keys must be token ids (integers written as strings, e.g. \"50256\")")
         token = int(key)
-        if token >= limits.vocab_size:
+        if bad_token([token], limits.vocab_size):
             raise invalid(f"logit_bias.{key}", f"token id {token} is out of range [0, {limits.vocab_size})")
         out[token] = float(value)
     return out

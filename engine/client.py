@@ -69,7 +69,7 @@ class EngineClient:
         self._idle: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ requests
-    def add(self, prompt: list[int], params: SamplingParams, seed: int, *, top_n: int = 0,
+    def add(self, prompt: list[int], params: SamplingParams, *, top_n: int = 0,
             timeout_s: float = 300.0, prompt_logprobs: int | None = None,
             structured: StructuredSpec | None = None) -> RequestState:
         if self.dead is not None:
@@ -79,10 +79,10 @@ class EngineClient:
         if len(self.processor) >= self.capacity:
             raise EngineError(ErrorKind.OVERLOADED, f"the server is overloaded: {len(self.processor)} requests are "
                                                     "running or waiting; retry later")
-        st = RequestState(f"{self.name}-{next(self._ids)}", prompt, params, seed, self.processor.tokenizer,
+        st = RequestState(f"{self.name}-{next(self._ids)}", prompt, params, self.processor.tokenizer,
                           top_n=top_n, timeout_s=timeout_s, abort=self.abort, prompt_logprobs=prompt_logprobs)
         self.processor.add(st)
-        self._send(Add(EngineRequest(st.id, st.prompt, params, seed, top_n, st.arrival, st.deadline,
+        self._send(Add(EngineRequest(st.id, st.prompt, params, top_n=top_n, arrival=st.arrival, deadline=st.deadline,
                                      prompt_logprobs=prompt_logprobs, structured=structured)))
         return st
 

@@ -34,12 +34,13 @@ import time
 
 import torch
 
-from engine.request import EngineRequest, ErrorKind, PromptLogprobs, RequestOutput
-from engine.sampling import Sampler, SamplingParams
+from engine.request import EngineRequest, ErrorKind, PromptLogprobs, RequestOutput, check_context
+from engine.sampling import Sampler, SamplingParams, bad_token
 from engine.scheduler import Scheduler, Step
 from engine.structured_output import Grammars, Matchers
 from model.gpt import GPT
 from model.kv_cache import KVCache, device_index
+from model.linear import DEFAULT_INT4_GROUP, convert, tune, weight_bytes
 
 log = logging.getLogger("engine.core")
 
@@ -54,17 +55,29 @@ class EngineCore:
                  max_len: int | None = None, prefill_chunk: int | None = None,
                  cuda_graphs: bool | None = None, pad_vocab: bool = True, prefix_cache: bool = False,
                  min_prefix: int = 16, idle_prefill_chunk: int | None = None, tokenizer=None,
-                 prepack: bool = False) -> None:
+                 prepack: bool = False, quantize: str = "none", int4_group: int = DEFAULT_INT4_GROUP,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_len = max_len or model.config.block_size
         self.n_slots = n_slots
-        self.cache = KVCache(model.config, n_slots, self.max_len, dtype=self.dtype, device=self.device)
+        self.kv_dtype = kv_dtype or self.dtype
+        self.cache = KVCache(model.config, n_slots, self.max_len, dtype=self.kv_dtype, device=self.device)
         self.sampler = Sampler(n_slots, vocab_size, self.max_len, self.device, eos_id=eos_id)
         if pad_vocab:  # the sampler then reads the logits in place, as whole blocks (a server owns its model;
             model.pad_vocab(self.sampler.padded)  # the library leaves a caller's model as it is: it may train on)
-        self.packed_layers = model.prepack() if prepack and self.device.type == "cpu" else 0  # after pad_vocab
+        # the weights' format (model.linear): a server swaps its Linears for one copy in the layout their kernel reads
+        # (prepack: oneDNN's blocked fp32/bf16 on a CPU; quantize: int8 / int4), after pad_vocab; the library leaves
+        # a caller's model as it is. The one-row kernel choice is timed here, at start-up, never on a request
+        self.weights = {"format": "none", "swapped": 0}
+        self.kernels: dict = {}
+        if quantize != "none" or (prepack and self.device.type == "cpu"):
+            self.weights = convert(model, quantize, int4_group)
+            if self.device.type == "cpu":
+                self.kernels = tune(model)
+        self.packed_layers = self.weights["swapped"] if self.weights["format"] == "none" else 0
+        self.weight_bytes = weight_bytes(model)
         # prefix caching (engine.prefix_cache): off here; the server turns it on (GPT_PREFIX_CACHE)
         self.scheduler = Scheduler(n_slots, prefill_chunk, eos_id, prefix_cache=prefix_cache, min_prefix=min_prefix,
                                    idle_prefill_chunk=idle_prefill_chunk)
@@ -88,20 +101,18 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
         """Queue a request. ValueError if it can never run here (validation upstream refuses these first)."""
-        n = len(request.prompt)
-        if n < 1:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        if n + request.params.max_new_tokens > self.max_len:
-            raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({request.params.max_new_tokens}) exceeds the "
-                             f"engine's context of {self.max_len} tokens")
         p = request.params
+        # validation (app/validation.py, engine.generate) applied these rules and drew the seed; here they are asserts
+        check_context(len(request.prompt), max(p.max_new_tokens, 0), self.max_len, "the engine's context length")
+        if p.seed is None:
+            raise ValueError("the request has no seed: validation draws one (engine.sampling.draw_seed)")
         if p.max_new_tokens < 0:  # 0: the request only runs (and scores) its prompt
             raise ValueError(f"max_new_tokens must be >= 0, got {p.max_new_tokens}")
         if request.prompt_logprobs is not None and request.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be None or >= 0, got {request.prompt_logprobs}")
-        for name, ids in (("logit_bias", list(p.logit_bias)), ("stop_token_ids", p.stop_token_ids)):
-            if any(not 0 <= t < self.vocab_size for t in ids):
-                raise ValueError(f"{name}: token ids must be in [0, {self.vocab_size})")
+        for name, ids in (("logit_bias", p.logit_bias), ("stop_token_ids", p.stop_token_ids)):
+            if bad := bad_token(ids, self.vocab_size):
+                raise ValueError(f"{name}: token id {bad[1]} is out of range [0, {self.vocab_size})")
         if request.structured is not None:
             self.matchers.add(request.request_id, request.structured)  # GrammarError (a ValueError): refused
         try:
@@ -338,7 +349,9 @@ class EngineCore:
                 "prefix_cache": s.prefix is not None, "prefix_hit_tokens": s.hit_tokens,
                 "prefix_copied_tokens": self.copied_tokens,
                 "generated_tokens": self.generated_tokens, "cuda_graphs": self._graphed is not None,
-                "prepacked_layers": self.packed_layers}
+                "prepacked_layers": self.packed_layers, "weights": self.weights["format"],
+                "weight_bytes": self.weight_bytes, "kv_bytes": self.cache.nbytes(),
+                "kv_dtype": str(self.kv_dtype).removeprefix("torch.")}
 
 
 class _StepMasks:

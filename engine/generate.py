@@ -11,28 +11,17 @@ kept for the benchmarks that time the model alone.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.core import EngineCore
-from engine.request import EngineRequest
+from engine.request import EngineRequest, check_context, with_seed
 from engine.sampling import SamplingParams, draw_seed
 from engine.stopping import FinishReason, StopMatcher
 from model.gpt import GPT
-from model.kv_cache import ContextLengthError, KVCache
+from model.kv_cache import KVCache
 from model.tokenizer import Tokenizer
-
-
-def check_context(n_prompt: int, max_new_tokens: int, block_size: int) -> None:
-    """Refuse a request that cannot fit: its prompt plus every token it may generate must fit in the context."""
-    if n_prompt < 1:
-        raise ContextLengthError("the prompt is empty: at least one token is needed")
-    if n_prompt + max_new_tokens > block_size:
-        raise ContextLengthError(
-            f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {n_prompt + max_new_tokens} "
-            f"exceeds the model's context length of {block_size} tokens"
-        )
 
 
 @torch.inference_mode()
@@ -71,21 +60,22 @@ class TokenEvent:
     finish_reason: FinishReason | None = None  # set on the last token of the sequence
 
 
-@dataclass
 class Sequence:
-    """Per-request state on the reader's side: the tokens so far, their text, stop strings, the finish reason."""
+    """Per-request state on the reader's side: the tokens so far, their text, stop strings, the finish reason.
+    Its seed is `params.seed` (`seed`: a shorthand for params with that seed, as EngineRequest's)."""
 
-    prompt: list[int]
-    params: SamplingParams
-    tokenizer: Tokenizer
-    seed: int
-    tokens: list[int] = field(default_factory=list)
-    events: list[TokenEvent] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-
-    def __post_init__(self) -> None:
+    def __init__(self, prompt: list[int], params: SamplingParams, tokenizer: Tokenizer,
+                 seed: int | None = None) -> None:
+        self.prompt, self.params, self.tokenizer = prompt, with_seed(params, seed), tokenizer
+        self.tokens: list[int] = []
+        self.events: list[TokenEvent] = []
+        self.finish_reason: FinishReason | None = None
         self._detok = self.tokenizer.stream_decoder()
         self._stops = StopMatcher(self.params.stop)
+
+    @property
+    def seed(self) -> int | None:
+        return self.params.seed
 
     @property
     def done(self) -> bool:
@@ -131,7 +121,8 @@ def make_sequences(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],
     for p, sp in zip(prompts, params):
         sp.validate()
         check_context(len(p), sp.max_new_tokens, model.config.block_size)
-    return [Sequence(list(p), sp, tokenizer, sp.seed if sp.seed is not None else draw_seed())
+    # the library's one place a seed is drawn (the server's is app/validation.py); the caller's params stay as given
+    return [Sequence(list(p), sp if sp.seed is not None else replace(sp, seed=draw_seed()), tokenizer)
             for p, sp in zip(prompts, params)]
 
 
@@ -142,7 +133,7 @@ def run(model: GPT, seqs: list[Sequence], prefill_chunk: int | None = None) -> I
                       max_len=max(len(s.prompt) + s.params.max_new_tokens for s in seqs),
                       prefill_chunk=prefill_chunk, cuda_graphs=False, pad_vocab=False)
     for i, s in enumerate(seqs):
-        core.add(EngineRequest(str(i), s.prompt, s.params, s.seed))
+        core.add(EngineRequest(str(i), s.prompt, s.params))
     while core.has_work():
         for out in core.step():
             if out.error is not None:

@@ -80,12 +80,12 @@ DISCONNECTED = _Disconnected()
 class RequestState:
     """One request as the front sees it: its sequence (text, stops), its queue of items, its deadline."""
 
-    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int, tokenizer: Tokenizer,
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, tokenizer: Tokenizer,
                  *, top_n: int, timeout_s: float, abort: Callable[[str], None],
                  prompt_logprobs: int | None = None) -> None:
         self.id = request_id
         self.prompt_logprobs = prompt_logprobs
-        self.seq = Sequence(list(prompt), params, tokenizer, seed)
+        self.seq = Sequence(list(prompt), params, tokenizer)
         self.prompt = self.seq.prompt
         self.top_n = top_n
         self.timeout_s = timeout_s

@@ -8,11 +8,12 @@ the outputs (`engine.generate.Sequence`), which aborts a request when its text h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from engine.sampling import SamplingParams
 from engine.stopping import FinishReason
+from model.kv_cache import ContextLengthError
 
 
 class ErrorKind(StrEnum):
@@ -36,14 +37,15 @@ class StructuredSpec:
     value: str = ""  # the schema as JSON text, the regex, the grammar, or the choices as a JSON list
 
 
-@dataclass
+@dataclass(init=False)
 class EngineRequest:
-    """One sequence to generate. `seed` is required: it was drawn once, where the request was validated."""
+    """One sequence to generate. Its seed is `params.seed`, the one field that holds it: drawn once where the
+    request was validated (app/validation.py for the server, engine.generate.make_sequences for the library) and
+    required by the core. `EngineRequest(..., params, seed)` is a shorthand for params with that seed (a copy)."""
 
     request_id: str
     prompt: list[int]
     params: SamplingParams  # the core reads the sampling fields, max_new_tokens and stop_at_eos (not `stop`)
-    seed: int
     top_n: int = 0  # also report the top_n most likely tokens at each step
     arrival: float = 0.0  # time.monotonic() when the request arrived (the clock is shared by processes)
     deadline: float | None = None  # time.monotonic() past which it ends with ErrorKind.TIMEOUT
@@ -52,6 +54,47 @@ class EngineRequest:
     # it ends after its prefill, no token sampled (finish LENGTH). Such requests never reuse a cached prefix.
     prompt_logprobs: int | None = None
     structured: StructuredSpec | None = None  # constrain the output to this grammar
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None = None,
+                 top_n: int = 0, arrival: float = 0.0, deadline: float | None = None,
+                 prompt_logprobs: int | None = None, structured: StructuredSpec | None = None) -> None:
+        # (msgspec decodes the wire's copy without calling this: the fields above are the whole state)
+        self.request_id, self.prompt, self.params = request_id, prompt, with_seed(params, seed)
+        self.top_n, self.arrival, self.deadline = top_n, arrival, deadline
+        self.prompt_logprobs, self.structured = prompt_logprobs, structured
+
+    @property
+    def seed(self) -> int | None:
+        return self.params.seed
+
+
+def context_problem(n_prompt: int, max_new_tokens: int, context: int, new_name: str = "max_new_tokens",
+                    what: str = "the model's context length") -> tuple[str, str] | None:
+    """The one context-length rule: a prompt of at least one token, and the prompt plus every token the request may
+    generate within the context. Validation applies it (app/validation.py, engine.generate.make_sequences) and the
+    engine core asserts it. Returns None, or the part at fault ("prompt": it is empty or leaves no room;
+    "max_new_tokens") and why (`new_name`: what the caller calls max_new_tokens; `what`: the context's name)."""
+    if n_prompt < 1:
+        return "prompt", "the prompt is empty: at least one token is needed"
+    total = n_prompt + max_new_tokens
+    if total <= context:
+        return None
+    if n_prompt >= context:
+        return "prompt", (f"the prompt has {n_prompt} tokens, which fills {what} of {context} tokens and leaves no "
+                          "room to generate")
+    return "max_new_tokens", (f"the prompt ({n_prompt} tokens) + {new_name} ({max_new_tokens}) = {total} exceeds "
+                              f"{what} of {context} tokens; ask for at most {context - n_prompt}")
+
+
+def check_context(n_prompt: int, max_new_tokens: int, context: int, what: str = "the model's context length") -> None:
+    """ContextLengthError (a ValueError) when the request breaks `context_problem`'s rule."""
+    if problem := context_problem(n_prompt, max_new_tokens, context, what=what):
+        raise ContextLengthError(problem[1])
+
+
+def with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
+    """`params` with `seed` (a copy when it differs; None: as they are)."""
+    return params if seed is None or params.seed == seed else replace(params, seed=seed)
 
 
 @dataclass

@@ -16,10 +16,10 @@ import os
 import sys
 
 from engine.generate import stream_generate
+from engine.request import check_context
 from engine.sampling import SamplingParams
 from model.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from model.device import resolve_device, resolve_dtype
-from model.kv_cache import ContextLengthError
 
 EXIT_SIGINT = 130  # 128 + SIGINT, as a shell reports a process killed by Ctrl-C
 EXIT_SIGPIPE = 141  # 128 + SIGPIPE, as `yes | head` reports it
@@ -122,8 +122,7 @@ def run(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
         ck = load_checkpoint(args.checkpoint, device, resolve_dtype(args.dtype, device))
         if args.interactive:
-            if params.max_new_tokens >= ck.config.block_size:
-                raise ContextLengthError(f"max_new_tokens must be below the context length {ck.config.block_size}")
+            check_context(1, params.max_new_tokens, ck.config.block_size)  # a turn of one token must fit
             chat(ck, params)
             return 0
         ids = ck.tokenizer.encode(args.prompt) if args.prompt else [ck.tokenizer.eot_id]

@@ -40,6 +40,7 @@ TGI and OpenAI report them, whatever the sampling parameters were (a grammar's m
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -341,9 +342,9 @@ class Sampler:
         if params.logit_bias:
             if self.bias is None:
                 self.bias = torch.zeros(self.n_slots, self.padded, dtype=torch.float32, device=self.device)
-            ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-            if not bool(((ids >= 0) & (ids < V)).all()):
+            if bad_token(params.logit_bias, V):  # (the core refused these already)
                 raise ValueError(f"logit_bias: token ids must be in [0, {V})")
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
             self.bias[slot] = 0.0
             self.bias[slot, ids.to(self.device)] = torch.tensor(list(params.logit_bias.values()),
                                                                 dtype=torch.float32).to(self.device)

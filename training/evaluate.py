@@ -76,7 +76,7 @@ def evaluate_tokens(model, tokens: np.ndarray, block_size: int, stride: int, bat
         length = group[0][1]  # every window has the same length (only a lone window may be shorter)
         x = torch.stack([t[a:a + length] for a, _, _ in group]).to(device)
         y = torch.stack([t[a + 1:a + 1 + length] for a, _, _ in group]).to(device)
-        mask = torch.stack([torch.arange(length) >= k for _, _, k in group]).to(device)
+        mask = torch.stack([torch.arange(length, device=device) >= k for _, _, k in group])
         logits, _ = model(x)
         nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
         nll = nll.view(len(group), length)

@@ -51,7 +51,7 @@ class FinetuneLoop(BaseLoop):
         self.majority_acc = float((val.labels[:n_val] == majority).mean())
         self.examples_per_step = cfg.batch_size * cfg.grad_accum * d.world
         # task loss and correct answers of the training batches since the last evaluation
-        self.since_eval = torch.zeros(3, dtype=torch.float64, device=device)
+        self.since_eval = self.on_device(torch.zeros, 3, dtype=torch.float64)
 
     @property
     def gpt(self):
@@ -88,8 +88,8 @@ class FinetuneLoop(BaseLoop):
         with torch.no_grad():
             self.since_eval += torch.stack([task_loss.detach().double() * len(rows),
                                             (logits.argmax(-1) == y).sum().double(),
-                                            torch.tensor(float(len(rows)), dtype=torch.float64)])
-        lm_val = lm.detach() if lm is not None else torch.zeros((), device=self.device)
+                                            self.on_device(torch.tensor, float(len(rows)), dtype=torch.float64)])
+        lm_val = lm.detach() if lm is not None else self.on_device(torch.zeros, ())
         return {"loss": loss.detach(), "task_loss": task_loss.detach(), "lm_loss": lm_val}
 
     def after_step(self) -> None:
@@ -109,8 +109,8 @@ class FinetuneLoop(BaseLoop):
         r = score_task_set(self.gpt, self.task.head, self.task.kind, self.val_set, rows, self.tokenizer,
                            self.cfg.batch_size, self.device, self.autocast)
         correct = float((r["pred"] == self.val_set.labels[rows]).sum())
-        tot = torch.tensor([r["loss"], correct, float(len(rows)), r["lm_loss"], float(r["lm_tokens"])],
-                           dtype=torch.float64, device=self.device)
+        tot = self.on_device(torch.tensor, [r["loss"], correct, float(len(rows)), r["lm_loss"], float(r["lm_tokens"])],
+                             dtype=torch.float64)
         d.sum_(tot)
         n = max(tot[2].item(), 1.0)
         return {"val_loss": tot[0].item() / n, "val_acc": tot[1].item() / n,

@@ -62,11 +62,17 @@ class BaseLoop:
             self.step, self.elapsed_before = state["step"], state["elapsed_s"]
             self.cpu_before = state.get("cpu_s", 0.0)
 
-        fwd_model: torch.nn.Module = torch.compile(model) if cfg.compile else model
+        # torch.compile(DDP(model)), not DDP(torch.compile(model)): compiled around DDP, the graph breaks at its
+        # gradient buckets, so their all-reduce overlaps the rest of the backward pass
+        wrapped = d.wrap(model, device)
+        self.train_model: torch.nn.Module = torch.compile(wrapped) if cfg.compile else wrapped
         # evaluation runs under no_grad, where model.gpt sends CPU fp32 matmuls to oneDNN's fused linear, an op
-        # inductor cannot lower with non-constant weights: on CPU, evaluate the uncompiled model
-        self.eval_model = fwd_model if device.type == "cuda" else model
-        self.train_model = d.wrap(fwd_model, device)
+        # inductor cannot lower with non-constant weights: on CPU, evaluate the uncompiled model. Ranks evaluate
+        # different numbers of batches, so never through DDP (its forward may sync buffers: a collective)
+        if not cfg.compile or device.type != "cuda":
+            self.eval_model = model
+        else:
+            self.eval_model = self.train_model if wrapped is model else torch.compile(model)
         self.metrics: Metrics | None = None
 
     # ---- what a subclass provides ----
@@ -96,6 +102,12 @@ class BaseLoop:
         return ""
 
     # ---- shared ----
+    def on_device(self, make, *args, **kwargs) -> torch.Tensor:
+        """make(*args, **kwargs) on the model's device (make: torch.tensor, torch.zeros, ...): the one way a loop
+        builds a tensor, so none is left on the CPU beside CUDA ones (torch.stack of both fails the first step on a
+        GPU). tests/test_training_devices.py fails on a tensor constructor in training/ without a device."""
+        return make(*args, device=self.device, **kwargs)
+
     def autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.use_bf16 else contextlib.nullcontext()
 
@@ -167,7 +179,7 @@ class BaseLoop:
         bar = tqdm(total=cfg.max_iters, initial=self.step, desc="train", file=sys.stderr, dynamic_ncols=True,
                    disable=self.quiet or not d.master, mininterval=1.0)
         self.train_model.train()
-        self.loss_sums = {k: torch.zeros((), device=self.device) for k in self.loss_terms}
+        self.loss_sums = {k: self.on_device(torch.zeros, ()) for k in self.loss_terms}
         n_logged, t_log, stop_reason = 0, time.time(), "max_iters"
         deadline = None if cfg.max_minutes is None else self.t_start + cfg.max_minutes * 60
         last_eval_step = self.step

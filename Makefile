@@ -53,8 +53,11 @@ bench: install
 	$(PY) -m bench.serve
 	$(PY) -m bench.stack
 
-# On a CUDA machine: the CUDA tests and the engine core on the GPU (bf16, CUDA graphs on and off), one JSON report
-# (bench/results/gpu-check.json). Fails loudly without CUDA. Install a CUDA build of torch first.
+# On a CUDA machine, the first-run verification: the CUDA tests, `python -m app` on the GPU with its defaults (graphs
+# captured, /generate and /generate_stream), the engine core bf16 with CUDA graphs on and off (tokens compared by a
+# tolerance on logprobs), a few steps of training and fine-tuning under bf16 autocast; one JSON report
+# (bench/results/gpu-check.json). The first failure ends it with one line (exit 1), as does a missing CUDA.
+# Install a CUDA build of torch first.
 gpu-check: install
 	$(PY) -m bench.gpu_check
 

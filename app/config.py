@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from engine.sizing import parse_memory
+
 
 class SettingsError(ValueError):
     """Settings that cannot be used; the message is one line per problem."""
@@ -32,10 +34,12 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="when set, generation routes need "
                                                         "'Authorization: Bearer <key>'")
     max_batch_size: int | None = Field(
-        None, ge=1, le=1024, description="KV-cache slots: sequences decoded together (default: on a GPU, as many "
-                                         "as kv_cache_memory_fraction of its free memory holds, 8..256; on a CPU 32)")
-    kv_cache_memory_fraction: float = Field(0.5, gt=0, le=0.95, description="share of the GPU memory free after "
-                                            "loading that the default max_batch_size fills with KV cache")
+        None, ge=1, le=1024, description="KV-cache slots: sequences decoded together (default: as many "
+                                         "full-length slots as the KV-cache budget holds, up to 32 on a CPU, 256 on a "
+                                         "GPU)")
+    kv_cache_memory_fraction: float = Field(0.5, gt=0, le=0.95, description="share of the memory free after "
+                                            "loading (GPU, or the CPU's MemAvailable) that the default KV-cache "
+                                            "budget takes")
     max_queue: int = Field(128, ge=1, le=100_000, description="requests waiting for a slot; more get 429")
     max_prompt_tokens: int | None = Field(None, ge=1, description="default: the context length - 1")
     max_new_tokens: int | None = Field(None, ge=1, description="cap on max_new_tokens / max_tokens "
@@ -55,9 +59,21 @@ class Settings(BaseSettings):
                                "prefilled from scratch")
     prefix_cache_min_tokens: int = Field(16, ge=1, description="shortest prefix worth reusing (matched in whole "
                                          "blocks of 16 tokens, then token by token)")
-    prepack_weights: bool = Field(True, description="CPU fp32: keep two more copies of the weights, in oneDNN's "
-                                  "blocked layout for batched matmuls and column-major for one-row GEMVs (GPT.prepack; "
-                                  "~15% faster at 16 streams, ~7% at batch 1; costs the weights' memory twice more)")
+    prepack_weights: bool = Field(True, description="CPU fp32/bf16: serve each Linear from one copy of its weight "
+                                  "in oneDNN's blocked layout, made at load (batched matmuls ~15% faster, no extra "
+                                  "memory)")
+    quantize: Literal["none", "int8", "int4"] = Field(
+        "none", description="weight format made at load (TGI's --quantize): int8 per output channel, int4 in groups "
+                            "(see int4_group_size); the tied head and embedding go to int8 with either. Quality and "
+                            "speed per format: docs/api.md")
+    int4_group_size: Literal[32, 64, 128, 256] = Field(32, description="inputs sharing one int4 scale and zero point "
+                                                                       "(32: llama.cpp's q4_0 block)")
+    kv_cache_memory: str | None = Field(None, description="KV-cache budget: bytes (4GiB, 512MB) or a fraction of "
+                                        "the memory available after loading (default: kv_cache_memory_fraction); "
+                                        "the default max_batch_size is the full-length slots it holds (at most 32 on "
+                                        "a CPU, 256 on a GPU)")
+    kv_cache_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="dtype of the KV cache (auto: the model's); bf16 halves its memory")
     max_stop_sequences: int = Field(16, ge=0)
     max_stop_length: int = Field(256, ge=1, description="characters per stop sequence")
     max_top_n_tokens: int = Field(5, ge=0, description="cap on top_n_tokens / logprobs alternatives")
@@ -86,6 +102,12 @@ class Settings(BaseSettings):
         v = v.strip().lower()
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
             raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {v!r}")
+        return v
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _kv_memory(cls, v: str | None) -> str | None:
+        parse_memory(v)  # SizingError (a ValueError) names the problem
         return v
 
     @field_validator("dtype", "log_level", "engine", mode="before")

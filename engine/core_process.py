@@ -53,6 +53,10 @@ class CoreConfig:
     prefix_cache: bool = True
     prefix_cache_min_tokens: int = 16
     prepack_weights: bool = True
+    quantize: str = "none"
+    int4_group_size: int = 32
+    kv_cache_memory: str | None = None
+    kv_cache_dtype: str = "auto"
     warmup: bool = True
     cuda_graphs: bool | None = None
     log_level: str = "info"
@@ -86,6 +90,7 @@ def load_model(cfg: CoreConfig):
         # cuda:N is this process's current device: what is made without an explicit device (CUDA graphs' capture
         # stream and memory pool, cuBLAS workspaces, torch.cuda.synchronize()) lands there, not on GPU 0
         torch.cuda.set_device(device)
+    check_fits(cfg, device, dtype)
     try:
         ckpt = load_checkpoint(cfg.checkpoint, device=device, dtype=dtype)
     except CheckpointError as e:
@@ -95,14 +100,52 @@ def load_model(cfg: CoreConfig):
     return ckpt, device, dtype, time.perf_counter() - t0
 
 
+def check_fits(cfg: CoreConfig, device, dtype, available: int | None = None) -> None:
+    """Before loading: the weights as loaded plus one full-length KV slot must fit the free memory, else a one-line
+    StartupError (the kernel's OOM killer ends a process that tries, with no word to the user)."""
+    import torch
+
+    from engine.sizing import available_memory, gib, kv_bytes_per_slot
+    from model.checkpoint import WEIGHTS, read_config
+
+    path = Path(cfg.checkpoint) / WEIGHTS
+    try:
+        config = read_config(cfg.checkpoint)
+        stored = path.stat().st_size
+    except Exception:  # noqa: BLE001 - load_checkpoint reports what is wrong with the files, in its words
+        return
+    # loading reads the stored tensors and converts them to the serving dtype (int8/int4 are made from those)
+    elsize = torch.empty((), dtype=dtype).element_size()
+    weights = max(stored, config_params(config) * elsize)
+    slot = kv_bytes_per_slot(config.n_layer, config.n_embd, config.block_size, resolve_kv_dtype(cfg, dtype))
+    free = available_memory(device) if available is None else available
+    if weights + slot > free:
+        raise StartupError(f"{cfg.checkpoint}: the weights ({gib(weights)} as loaded) plus one full-length KV slot "
+                           f"({gib(slot)}) need {gib(weights + slot)} but {gib(free)} is available on {device}")
+
+
+def config_params(config) -> int:
+    """Parameters of a GPT of this config, the tied head counted once."""
+    C, L = config.n_embd, config.n_layer
+    return config.vocab_size * C + config.block_size * C + L * (12 * C * C + 13 * C) + 2 * C
+
+
+def resolve_kv_dtype(cfg: CoreConfig, dtype):
+    """The KV cache's dtype: auto is the model's."""
+    from model.device import DTYPES
+
+    return dtype if cfg.kv_cache_dtype == "auto" else DTYPES[cfg.kv_cache_dtype]
+
+
 def build_core(cfg: CoreConfig, loaded=None):
     """The engine core for a loaded checkpoint (loading it when not given): (core, info, classify). The one place
     the server's settings become an EngineCore, for the core process and the in-process mode alike."""
     import torch
 
     from engine.core import EngineCore
-    from engine.sizing import default_max_batch_size
+    from engine.sizing import SizingError, plan_slots
     from model.device import DTYPE_NAMES
+    from model.linear import FormatError
     from model.task_head import TaskError, load_task
 
     ckpt, device, dtype, seconds = loaded if loaded is not None else load_model(cfg)
@@ -111,21 +154,35 @@ def build_core(cfg: CoreConfig, loaded=None):
     except TaskError as e:
         raise StartupError(f"cannot load the task head: {e}") from None
     block = ckpt.config.block_size
-    slots = cfg.max_batch_size or default_max_batch_size(ckpt.config.n_layer, ckpt.config.n_embd, block, device,
-                                                         dtype, cfg.kv_cache_memory_fraction)
+    kv_dtype = resolve_kv_dtype(cfg, dtype)
+    try:  # measured now, with the weights loaded (before the int8/int4 swap frees the fp32 copy: conservative)
+        plan = plan_slots(ckpt.config.n_layer, ckpt.config.n_embd, block, device, kv_dtype,
+                          max_batch_size=cfg.max_batch_size, kv_cache_memory=cfg.kv_cache_memory,
+                          memory_fraction=cfg.kv_cache_memory_fraction)
+    except SizingError as e:
+        raise StartupError(str(e)) from None
+    slots = plan.slots
     n_params = ckpt.model.num_params()
     try:
         core = EngineCore(ckpt.model, n_slots=slots, vocab_size=ckpt.tokenizer.vocab_size,
                           eos_id=ckpt.tokenizer.eot_id, prefill_chunk=cfg.prefill_chunk,
                           idle_prefill_chunk=cfg.idle_prefill_chunk, cuda_graphs=cfg.cuda_graphs,
                           prefix_cache=cfg.prefix_cache, min_prefix=cfg.prefix_cache_min_tokens,
-                          prepack=cfg.prepack_weights,
+                          prepack=cfg.prepack_weights, quantize=cfg.quantize, int4_group=cfg.int4_group_size,
+                          kv_dtype=kv_dtype,
                           tokenizer=ckpt.tokenizer)  # structured output compiles grammars against it
+    except FormatError as e:
+        raise StartupError(f"cannot serve {cfg.checkpoint} as {cfg.quantize} (--quantize): {e}") from None
     except (RuntimeError, ValueError) as e:  # e.g. the KV cache does not fit in memory
         raise StartupError(f"cannot allocate the KV cache ({slots} slots x {block} tokens): "
                            f"{type(e).__name__}: {e}") from None
     info: dict[str, Any] = {"device": str(device), "dtype": DTYPE_NAMES.get(dtype, str(dtype)), "n_params": n_params,
                             "max_batch_size": slots, "load_seconds": round(seconds, 2), "pid": os.getpid(),
+                            "weights": core.weights["format"], "weight_bytes": core.weight_bytes,
+                            "kv_cache": {"bytes": core.cache.nbytes(), "slots": slots, "per_slot": plan.per_slot,
+                                         "dtype": DTYPE_NAMES.get(kv_dtype, str(kv_dtype)),
+                                         "budget": plan.budget, "available": plan.available},
+                            "kernels": {f"{o}x{i}": k for (o, i), k in core.kernels.items()},
                             "torch_threads": torch.get_num_threads() if device.type == "cpu" else None,
                             "task": {"kind": task.kind, "labels": task.labels} if task is not None else None}
     classify = None

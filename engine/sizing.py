@@ -1,21 +1,122 @@
-"""How many KV-cache slots the engine core gets: the one place the server's memory settings become a slot count."""
+"""How many KV-cache slots the engine core gets: the one place memory settings become a slot count.
+
+A slot holds one full-length sequence: keys and values of every layer, `2 · n_layer · context · n_embd` elements in
+the cache's dtype, plus the sampler's per-slot rows (a 4 MiB allowance). The budget for them (`GPT_KV_CACHE_MEMORY`)
+is bytes ("4GiB", "512MB", "1000000") or a fraction (0 < x <= 1) of the memory available once the weights are loaded:
+the GPU's free memory (`torch.cuda.mem_get_info`) or, on a CPU, the kernel's MemAvailable. Left unset it is
+`kv_cache_memory_fraction` (0.5) of that, as vLLM's `gpu_memory_utilization` / `VLLM_CPU_KVCACHE_SPACE` bound theirs.
+The default slot count is then as many as the budget holds, up to 32 on a CPU (sampled traffic stops scaling
+past that on 2 cores: bench/stack.py, bench/serve.py) and 256 on a GPU; a budget that holds no slot is a one-line
+start-up error saying what would fit.
+"""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
-CPU_DEFAULT_BATCH = 32  # bench/stack.py and bench/serve.py: sampled traffic keeps scaling past 16 streams on 2 cores
+CPU_DEFAULT_BATCH = 32
+GPU_MAX_BATCH = 256
+# the sampler's rows (three fp32 vocabulary-wide workspaces and its seen-token set: ~0.7 MB for GPT-2's 50k
+# vocabulary) and the logits of a step: a 4 MiB allowance per slot covers vocabularies up to ~200k
+SLOT_ALLOWANCE = 4 * 1024 * 1024
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class SizingError(ValueError):
+    """The memory settings cannot give the engine one slot; one line saying what would fit."""
+
+
+def parse_memory(value: str | float | int | None) -> tuple[str, float] | None:
+    """None / "auto" → None; "0.3" → ("fraction", 0.3); "4GiB" / "512MB" / "1000000" → ("bytes", n)."""
+    if value is None:
+        return None
+    text = str(value).strip().lower().replace(" ", "")
+    if text in ("", "auto"):
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]i?b|b)?", text)
+    if not m:
+        raise SizingError(f"kv_cache_memory must be bytes (e.g. 4GiB, 512MB) or a fraction in (0, 1], got {value!r}")
+    number, unit = float(m.group(1)), m.group(2) or ""
+    if not unit and number <= 1:
+        if number <= 0:
+            raise SizingError(f"kv_cache_memory must be > 0, got {value!r}")
+        return "fraction", number
+    return "bytes", number * _UNITS[unit]
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the cache now: the GPU's free memory, or the kernel's MemAvailable on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_bytes_per_slot(n_layer: int, n_embd: int, context: int, dtype: torch.dtype) -> int:
+    return 2 * n_layer * context * n_embd * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class SlotPlan:
+    slots: int
+    per_slot: int  # KV bytes of one full-length slot
+    budget: int  # bytes the cache may take
+    available: int  # bytes free when the plan was made
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.slots * self.per_slot
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def plan_slots(n_layer: int, n_embd: int, context: int, device: torch.device, kv_dtype: torch.dtype, *,
+               max_batch_size: int | None = None, kv_cache_memory: str | float | None = None,
+               memory_fraction: float = 0.5, available: int | None = None) -> SlotPlan:
+    """Slots for the cache: `max_batch_size` when given (it must fit an explicit budget), else as many as the budget
+    holds, capped (32 on a CPU, 256 on a GPU). `available` overrides the measured free memory (tests)."""
+    free = available_memory(device) if available is None else available
+    kv = kv_bytes_per_slot(n_layer, n_embd, context, kv_dtype)
+    per_slot = kv + SLOT_ALLOWANCE
+    spec = parse_memory(kv_cache_memory)
+    if spec is None:
+        budget = int(free * memory_fraction)
+    elif spec[0] == "fraction":
+        budget = int(free * spec[1])
+    else:
+        budget = int(spec[1])
+    fits = budget // per_slot
+    if max_batch_size is not None:
+        if spec is not None and max_batch_size > fits:
+            raise SizingError(f"max_batch_size {max_batch_size} needs {gib(max_batch_size * per_slot)} of KV cache "
+                              f"({gib(per_slot)} a full-length slot) but kv_cache_memory gives {gib(budget)}: "
+                              f"{fits} slot(s) fit")
+        return SlotPlan(max_batch_size, kv, budget, free)
+    if fits < 1:
+        raise SizingError(
+            f"the KV-cache budget ({gib(budget)} of {gib(free)} available) holds no full-length slot: one needs "
+            f"{gib(per_slot)} ({n_layer} layers x {context} tokens x {n_embd} dims x 2 in "
+            f"{str(kv_dtype).removeprefix('torch.')}); raise GPT_KV_CACHE_MEMORY, use GPT_KV_CACHE_DTYPE=bf16, "
+            "or free memory")
+    cap = GPU_MAX_BATCH if device.type == "cuda" else CPU_DEFAULT_BATCH
+    return SlotPlan(min(cap, fits), kv, budget, free)
 
 
 def default_max_batch_size(n_layer: int, n_embd: int, block_size: int, device: torch.device, dtype: torch.dtype,
                            memory_fraction: float) -> int:
-    """Slots that fit the device: on a GPU, `memory_fraction` of its free memory in full-length KV-cache slots
-    (keys and values of every layer, plus the sampler's per-slot state), 8..256; on a CPU a fixed 32."""
-    if device.type != "cuda":
-        return CPU_DEFAULT_BATCH
-    free, _total = torch.cuda.mem_get_info(device)
-    kv = 2 * n_layer * block_size * n_embd * torch.empty((), dtype=dtype).element_size()
-    # the sampler's rows (three fp32 vocabulary-wide workspaces and its seen-token set: ~0.7 MB for GPT-2's
-    # 50k vocabulary) and the logits of a step: a 4 MiB allowance per slot covers vocabularies up to ~200k
-    per_slot = kv + 4 * 1024 * 1024
-    return max(8, min(256, int(free * memory_fraction) // per_slot))
+    """The default slot count for this model and device (`plan_slots` with the default budget)."""
+    return plan_slots(n_layer, n_embd, block_size, device, dtype, memory_fraction=memory_fraction).slots

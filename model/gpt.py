@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import time
 
 import torch
 import torch.nn as nn
@@ -23,120 +21,7 @@ import torch.nn.functional as F
 
 from model.config import GPTConfig
 from model.kv_cache import CacheStep, ContextLengthError, KVCache
-
-
-def _onednn_linear_op():
-    """oneDNN's fused linear (what inductor uses on CPU), or None where this torch build lacks it."""
-    if os.environ.get("GPT_ONEDNN_LINEAR", "1") == "0" or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._linear_pointwise.default
-    except (AttributeError, RuntimeError):
-        return None
-
-
-# On CPU, fp32 nn.Linear goes to MKL, whose GEMV on this project's 2-core AMD machines uses one core
-# (GPT-2 124M's 49 batch-1 matmuls: 36.8 ms, 13.6 GB/s) and whose small-batch GEMM is slow (batch 8:
-# 56 ms). oneDNN's inner product reads the same (out, in) weights, no copy, over both threads: 21.4 ms
-# (24 GB/s) and 30 ms (bench/README.md). It has no autograd formula, so it serves only passes that need
-# no gradient: inference, and the full-recompute reference under no_grad. GPT_ONEDNN_LINEAR=0 turns it off.
-ONEDNN_LINEAR = _onednn_linear_op()
-
-# Which library wins at one to three rows depends on the CPU and the weight's shape: on an Intel Xeon with AVX-512 (2
-# cores, 2026-11-24) MKL's GEMV ran GPT-2 124M's block matmuls faster than oneDNN at one row (c_fc 0.19 vs 0.24 ms,
-# mlp c_proj 0.20 vs 0.32) but not the 50k-row output head (4.7 vs 4.3 ms), and oneDNN (packed) was ahead from 4
-# rows up (the 48 block matmuls, cycling through the weights: 3 rows 14.5 vs 16.3 ms, 4 rows 22.8 vs 15.8; a batch-3
-# decode step 26.0 -> 24.0-25.5 ms with 3 rows here); on the AMD EPYC above MKL's GEMV used one core. So calls with
-# <= SMALL_ROWS rows pick, per weight shape, the faster of the two, timed once per process at the first such call
-# (`GPT_SMALL_LINEAR`: auto, mkl or onednn for all).
-SMALL_ROWS = 3
-_FORCED_SMALL = {"mkl": "mkl", "onednn": "onednn"}.get(os.environ.get("GPT_SMALL_LINEAR", "auto"))
-_small_backend: dict[tuple, str] = {}
-
-
-def _pick_small_backend(x: torch.Tensor, w_mkl: torch.Tensor, w_onednn: torch.Tensor, b: torch.Tensor | None) -> str:
-    """Time F.linear (MKL) against oneDNN, each on the weight it would read, with one row, interleaved; MKL only if
-    clearly faster."""
-    x1 = x.reshape(-1, x.shape[-1])[:1].contiguous()
-    runs = {"mkl": lambda: F.linear(x1, w_mkl, b), "onednn": lambda: ONEDNN_LINEAR(x1, w_onednn, b, "none", [], "")}
-    calls = max(1, min(5, int(5e6 // w_mkl.numel())))  # ~20 ms a backend at most, even for a large output head
-    for f in runs.values():  # first calls set up threads and primitives
-        for _ in range(2):
-            f()
-    ratios = []
-    for _ in range(7):
-        t = {}
-        for name, f in runs.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                f()
-            t[name] = time.perf_counter() - t0
-        ratios.append(t["mkl"] / t["onednn"])
-    return "mkl" if sorted(ratios)[len(ratios) // 2] < 0.9 else "onednn"
-
-
-def _post_op(act: nn.Module | None) -> tuple[str, str] | None:
-    """The oneDNN post-op computing `act` inside the matmul, or None where there is none."""
-    if act is None:
-        return "none", ""
-    if type(act) is nn.GELU:
-        return ("gelu", "tanh") if act.approximate == "tanh" else ("gelu", "none")
-    if type(act) is nn.ReLU:
-        return "relu", ""
-    return None
-
-
-def linear(x: torch.Tensor, layer: nn.Linear, act: nn.Module | None = None) -> torch.Tensor:
-    """act(layer(x)), through oneDNN when no gradient is needed on a CPU fp32 tensor (same math, faster;
-    the activation is fused into the matmul there), from the layer's prepacked weight where `prepack` made one."""
-    if type(layer) is not nn.Linear:  # a swapped-in module (quantized, adapter, ...) does its own thing
-        y = layer(x)
-        return act(y) if act is not None else y
-    w, b = layer.weight, layer.bias
-    if (ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32
-            and w.dtype == torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-        packed = layer.__dict__.get("_packed")
-        if packed is not None and (packed.source is not w or packed.version != w._version):
-            packed = None  # w changed since the copies were made: read it plain
-        rows = x.numel() // x.shape[-1]
-        if rows <= SMALL_ROWS:
-            # one row: MKL's GEMV reads prepack's column-major copy faster than the plain weight (not at two rows)
-            w_mkl = packed.column_major if packed is not None and rows == 1 else w
-            key = (w.shape, w_mkl is not w)
-            backend = _FORCED_SMALL or _small_backend.get(key)
-            if backend is None:
-                backend = _small_backend[key] = _pick_small_backend(x, w_mkl, packed.weight if packed else w, b)
-            if backend == "mkl":
-                y = F.linear(x, w_mkl, b)
-                return act(y) if act is not None else y
-        if packed is not None:
-            w = packed.weight
-        post = _post_op(act)
-        if post is not None:
-            return ONEDNN_LINEAR(x, w, b, post[0], [], post[1])
-        return act(ONEDNN_LINEAR(x, w, b, "none", [], ""))
-    y = F.linear(x, w, b)
-    return act(y) if act is not None else y
-
-
-class _PackedWeight:
-    """A Linear weight in oneDNN's blocked layout and column-major (GPT.prepack), with the weight and version they
-    were made from. An opaque tensor cannot be copied or pickled: a deep copy or a pickled model gets None (it reads
-    plain weights)."""
-
-    __slots__ = ("weight", "column_major", "source", "version")
-
-    def __init__(self, w: torch.Tensor) -> None:
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(w.detach())
-        self.column_major = w.detach().t().contiguous().t()  # the same (out, in) tensor, its transpose in memory
-        self.source, self.version = w, w._version
-
-    def __reduce__(self):
-        return _no_packed_weight, ()
-
-
-def _no_packed_weight() -> None:
-    return None
+from model.linear import linear  # the matmul of every Linear: plain here, swapped formats for serving
 
 
 class CausalSelfAttention(nn.Module):
@@ -255,34 +140,6 @@ class GPT(nn.Module):
         self.lm_head.weight = wte.weight
         self.lm_head.out_features = size
         self.config = dataclasses.replace(self.config, vocab_size=size)
-
-    @torch.no_grad()
-    def prepack(self) -> int:
-        """Give every nn.Linear a copy of its weight in oneDNN's blocked layout (CPU, fp32; an inference-time
-        addition, as inductor's weight prepacking): above SMALL_ROWS rows `linear` reads that copy instead of
-        reordering the plain weight on every call. Costs the weights' memory once more; a weight changed afterwards
-        (in place or replaced) is noticed and read plain again. Returns the layers packed (0 where oneDNN is not used).
-
-        Measured on 2 Xeon cores (GPT-2 124M, engine decode step, 2 threads): batch 16 51-53 -> 44 ms, batch 64
-        104-109 -> 97 ms; up to SMALL_ROWS rows MKL may read the plain weight instead (below). Packing with a
-        batch-size hint (inductor's static-shape case) did not help: a hint of 16 ran batch 16 no faster (45 ms), a
-        hint of 1 was no better than plain weights at 16 and 64.
-
-        Each weight also gets a column-major copy (the same (out, in) tensor, its transpose contiguous): at one row
-        MKL's GEMV reads that layout faster. GPT-2 124M's 48 block matmuls, cycling through all weights as decode
-        does: 12.0 -> 10.9 ms at one row (30 -> 33 GB/s), while at two rows it is 19.8 ms against 13.3 plain (so two
-        rows keep reading the plain weight). A batch-1 decode step 23.1 -> 21.4 ms (medians of 40 steps, 3 per
-        process, 3 processes per version, interleaved; 2 Xeon cores, 2026-11-24, /tmp/p20/b12.py); batch 2
-        unchanged (24.7 -> 24.5). The price: the weights' memory a third time (GPT-2 124M: idle PSS 4.1 -> 4.5 GB),
-        kept even where the one-row timing then picks oneDNN."""
-        if ONEDNN_LINEAR is None:
-            return 0
-        n = 0
-        for m in self.modules():
-            if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32:
-                m.__dict__["_packed"] = _PackedWeight(m.weight)
-                n += 1
-        return n
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters counted once (the head is tied); without position embeddings by default, as GPT-2 reports."""

@@ -296,3 +296,20 @@ def test_a_burst_sharing_a_prefix_prefills_it_once_and_gives_the_fresh_tokens(ck
     for rid, outs in fresh.items():
         assert [o.token_ids for o in reused[rid]] == [o.token_ids for o in outs]
         assert [o.logprobs[0] for o in reused[rid]] == pytest.approx([o.logprobs[0] for o in outs], abs=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["none", "int8", "int4"])
+def test_each_weight_format_gives_a_seeded_request_the_same_tokens_alone_and_batched(tiny_ckpt, fmt):  # noqa: F811
+    """The server's weight formats (model/linear.py, swapped in by the core): a request decoded in a batch of
+    three, prefills and decodes interleaved, gets the tokens it gets alone in a one-slot core."""
+    def core(slots: int) -> tuple[EngineCore, object]:
+        ck = load_checkpoint(tiny_ckpt)
+        return EngineCore(ck.model, n_slots=slots, vocab_size=ck.tokenizer.vocab_size, eos_id=None,
+                          prepack=True, quantize=fmt, int4_group=32), ck
+
+    batched, ck = core(3)
+    assert batched.stats()["weights"] == fmt
+    got = drive(batched, requests(ck))
+    for r in requests(ck):
+        alone = drive(core(1)[0], [r])
+        assert [o.token_ids for o in alone[r.request_id]] == [o.token_ids for o in got[r.request_id]], fmt

@@ -1,0 +1,397 @@
+"""The matmul behind every Linear layer: weight formats and CPU kernels, chosen at load, never on a request.
+
+The network (model/gpt.py) is built of plain nn.Linear layers and calls `linear(x, layer, act)`. For serving,
+`convert(model, fmt)` swaps each block's nn.Linear for a module of this file holding ONE copy of its weight, in
+the layout its kernel reads (gpt-fast's quantize.py: `WeightOnlyInt8Linear` swapped in at load):
+
+- `PackedLinear`  fp32 or bf16 on a CPU: the weight in oneDNN's blocked layout (the plain copy is freed). oneDNN
+                  reordered a plain weight on every batched call; the packed copy saves that (batch 16 decode step
+                  51 -> 44 ms on 2 Xeon cores).
+- `Int8Linear`    int8 per output channel (symmetric, scale = max|w| / 127). On a CPU with fbgemm (x86), the weight
+                  goes to fbgemm's packed int8 layout and activations are quantized per call (dynamic W8A8, as
+                  llama.cpp's q8_0 dot product quantizes its activations); elsewhere the weight-only kernel.
+- `Int4Linear`    int4 in groups along the input (asymmetric: scale and zero point per group of 32-256), through
+                  PyTorch's `_weight_int4pack_mm_for_cpu` (bf16 activations) or `_weight_int4pack_mm` on CUDA.
+
+Measured on a 2-vCPU AMD EPYC (Zen 4: AVX-512, avx512_bf16, VNNI; no AMX), 2 threads, idle, 2026-11-25: GPT-2
+124M's 48 block matmuls cycling through their weights as decode does, medians of 7, ms (`bench/kernels.py`):
+
+    rows                            1      2      4     16     64
+    fp32 MKL, plain weight       24.3   45.0   36.9   43.3   96.8
+    fp32 MKL, column-major       19.6   31.9   43.1   50.5  103.4
+    fp32 oneDNN, packed          14.8   17.6   14.4   18.8   55.2
+    bf16 oneDNN, packed           7.7    8.8    7.9   10.6   29.6
+    int8 weight-only (bf16 x)     5.8    7.2    8.2   27.1   81.2
+    int8 fbgemm dynamic W8A8      4.2    4.1    4.0    7.1   17.8
+    int4 g128 (bf16 x)            2.6    3.3    4.6   16.8   66.3
+    int4 g128 (fp32 x)           73.8  154.9  303.3 1196   4784
+
+So on this CPU oneDNN's packed copy beats MKL at every row count (a column-major copy for MKL's GEMV, which an
+Intel Xeon ran ~10% faster at one row, is made only where `tune` measures it faster: one copy by default), the
+int8 kernel is fbgemm's at every row count, and int4 is fastest up to a few rows but slower than int8 from ~8 rows.
+`tune(model)` times the small-row choice per weight shape at warm-up (the engine's), never on a request.
+
+The tied output head / embedding: quantized formats keep it in int8 per row (one int8 table: the embedding reads
+its rows, the head its fbgemm-packed copy where fbgemm is used; both reported by `weight_bytes`), because at GPT-2's
+size the head is a third of the weights read per token; int4 mode keeps the head at int8 too (llama.cpp's q4 types
+keep `output` at 6 bits).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+FORMATS = ("none", "int8", "int4")
+INT4_GROUPS = (32, 64, 128, 256)
+DEFAULT_INT4_GROUP = 32  # llama.cpp's q4_0 block; 128 measured ~10% faster at one row (bench/kernels.py)
+
+
+class FormatError(ValueError):
+    """A weight format that cannot be applied (bad name, a shape the kernel refuses); one line."""
+
+
+def _onednn_linear_op():
+    """oneDNN's fused linear (what inductor uses on CPU), or None where this torch build lacks it."""
+    if os.environ.get("GPT_ONEDNN_LINEAR", "1") == "0" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# On CPU, fp32 nn.Linear goes to MKL, whose GEMV on AMD machines uses one core (GPT-2 124M's 49 batch-1 matmuls:
+# 36.8 ms, 13.6 GB/s) and whose small-batch GEMM is slow; oneDNN's inner product reads the same (out, in) weights,
+# no copy, over both threads (21.4 ms). It has no autograd formula, so it serves only passes that need no gradient.
+ONEDNN_LINEAR = _onednn_linear_op()
+HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _post_op(act: nn.Module | None) -> tuple[str, str] | None:
+    """The oneDNN post-op computing `act` inside the matmul, or None where there is none."""
+    if act is None:
+        return "none", ""
+    if type(act) is nn.GELU:
+        return ("gelu", "tanh") if act.approximate == "tanh" else ("gelu", "none")
+    if type(act) is nn.ReLU:
+        return "relu", ""
+    return None
+
+
+def _act(y: torch.Tensor, act: nn.Module | None) -> torch.Tensor:
+    return act(y) if act is not None else y
+
+
+def linear(x: torch.Tensor, layer: nn.Module, act: nn.Module | None = None) -> torch.Tensor:
+    """act(layer(x)). A plain nn.Linear runs through oneDNN when no gradient is needed on a CPU fp32 tensor (same
+    math, faster, the activation fused); a module of this file runs its own kernel."""
+    if type(layer) is not nn.Linear:
+        if isinstance(layer, _Served):
+            return layer(x, act)
+        return _act(layer(x), act)  # another swapped-in module (adapter, ...)
+    w, b = layer.weight, layer.bias
+    if (ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32
+            and w.dtype == torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        post = _post_op(act)
+        if post is not None:
+            return ONEDNN_LINEAR(x, w, b, post[0], [], post[1])
+        return act(ONEDNN_LINEAR(x, w, b, "none", [], ""))
+    return _act(F.linear(x, w, b), act)
+
+
+class _Served(nn.Module):
+    """An inference-only Linear: forward(x, act) → act(x Wᵀ + b) in the input's dtype."""
+
+    in_features: int
+    out_features: int
+
+    bias: torch.Tensor | None
+
+    def weight_bytes(self) -> int:
+        return self.matrix_bytes() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    def matrix_bytes(self) -> int:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class PackedLinear(_Served):
+    """fp32 / bf16 on a CPU: oneDNN's blocked copy of the weight, the only one kept. Up to `SMALL_ROWS` rows, MKL's
+    GEMV on a column-major copy where `tune` measured it faster for this shape (that copy exists only then)."""
+
+    SMALL_ROWS = 1
+
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__()
+        w = layer.weight.detach()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.dtype = w.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        self.bias = None if layer.bias is None else layer.bias.detach()
+        self.column_major: torch.Tensor | None = None  # MKL's one-row copy, only where tune() kept it
+
+    def matrix_bytes(self) -> int:  # the opaque packed tensor holds the plain weight's elements (plus padding)
+        n = self.in_features * self.out_features * (1 + (self.column_major is not None))
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
+        x = x.to(self.dtype)
+        if self.column_major is not None and x.numel() == x.shape[-1]:
+            return _act(F.linear(x, self.column_major, self.bias), act)
+        post = _post_op(act)
+        if post is not None:
+            return ONEDNN_LINEAR(x, self.packed, self.bias, post[0], [], post[1])
+        return act(ONEDNN_LINEAR(x, self.packed, self.bias, "none", [], ""))
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (q int8 (out, in), scale fp32 (out,)), w ≈ q · scale."""
+    w = w.detach().float()
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of `group` inputs: (q uint8 (out, in) in 0..15, scale, zero fp32 (out, in/group));
+    w ≈ (q - 8) · scale + zero, the convention of PyTorch's int4 kernels (zero is the group's midpoint)."""
+    check_int4_shape(tuple(w.shape), group)
+    out, inp = w.shape
+    wg = w.detach().float().reshape(out, inp // group, group)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(out, inp)
+    return q, scale, lo + 8 * scale
+
+
+def check_int4_shape(shape: tuple[int, int], group: int, where: str = "") -> None:
+    if group not in INT4_GROUPS:
+        raise FormatError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUPS))}, got {group}")
+    out, inp = shape
+    if inp % group or out % 16:
+        raise FormatError(f"int4 needs input dims divisible by the group size ({group}) and output dims by 16; "
+                          f"{where or 'a weight'} is {out}x{inp}")
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(out, in) values 0..15 → (out, in/2) bytes, the even column in the low nibble (how checkpoints store int4)."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
+    q = torch.empty(p.shape[0], p.shape[1] * 2, dtype=torch.uint8, device=p.device)
+    q[:, 0::2], q[:, 1::2] = p & 15, p >> 4
+    return q
+
+
+class Int8Linear(_Served):
+    """int8 weights, one scale per output row. On an x86 CPU, fbgemm's packed int8 weight (the only copy) with the
+    activations quantized per call; otherwise the int8 (out, in) tensor, multiplied by PyTorch's weight-only kernel
+    on a CPU or dequantized into the matmul elsewhere.
+
+    fbgemm quantizes its input with one scale for the whole tensor, from its min and max: a row's result would
+    depend on the other rows of the batch (a seeded request's tokens would change with its neighbours). So each row
+    is divided by its own max |x| and gets two more inputs, +1 and -1, against zero weight columns: every row then
+    spans exactly [-1, 1], the tensor's scale and zero point are the same whatever the batch, and the int32
+    products are exact, so a row's output is bit-identical alone or batched (tested). Its activations are quantized
+    relative to its own range (finer than one scale for all rows); the output is multiplied back by the row's max."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.dtype = dtype
+        self.bias = None if bias is None else bias.detach().float()
+        self.fbgemm = None
+        self.q = self.scale = None
+        if q.device.type == "cpu" and HAS_FBGEMM:
+            q2 = torch.cat([q, torch.zeros(q.shape[0], 2, dtype=torch.int8)], 1)  # the ±1 inputs' weights
+            with warnings.catch_warnings():  # quantized tensors are deprecated, fbgemm's kernels still take them (2.13)
+                warnings.simplefilter("ignore", UserWarning)
+                qw = torch._make_per_channel_quantized_tensor(q2, scale.double(),
+                                                              torch.zeros_like(scale, dtype=torch.long), 0)
+            self.fbgemm = torch.ops.quantized.linear_prepack(qw, None)
+            self._pm = torch.tensor([1.0, -1.0])
+        else:
+            self.q, self.scale = q, scale.float()
+
+    def matrix_bytes(self) -> int:  # int8 weights and fp32 scales (opaque in fbgemm's copy, the same count)
+        return self.out_features * (self.in_features + 4)
+
+    def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x = x.reshape(-1, shape[-1])
+        if self.fbgemm is not None:
+            x = x.float()
+            m = x.abs().amax(-1, keepdim=True).clamp_(min=1e-30)
+            xn = torch.cat([x / m, self._pm.expand(x.shape[0], 2)], -1)
+            y = torch.ops.quantized.linear_dynamic(xn, self.fbgemm, True).mul_(m)
+            if self.bias is not None:
+                y = y.add_(self.bias)
+        elif x.device.type == "cpu":
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale.to(torch.bfloat16))
+            y = y.float() if self.bias is None else y.float() + self.bias
+        else:  # CUDA: dequantize into the matmul (torch.compile fuses this; eager reads the int8 weight once)
+            y = F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(x.dtype)
+        return _act(y.reshape(*shape[:-1], self.out_features).to(dtype), act)
+
+
+class Int4Linear(_Served):
+    """int4 weights in groups along the input, packed for PyTorch's int4 kernels (bf16 activations)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype, group: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.group, self.dtype = group, dtype
+        self.bias = None if bias is None else bias.detach().float()
+        # (in/group, out, 2): scale and zero of each group, the kernels' layout
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], -1).contiguous().to(torch.bfloat16)
+        if q.device.type == "cpu":
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        else:
+            packed = pack_nibbles(q)  # CUDA's packer wants two nibbles per byte, the even column high
+            packed = ((packed & 15) << 4) | (packed >> 4)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+
+    def matrix_bytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+    def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if x.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group, self.scales_zeros)
+        y = y.float() if self.bias is None else y.float() + self.bias
+        return _act(y.reshape(*shape[:-1], self.out_features).to(x.dtype), act)
+
+
+class Int8Embedding(nn.Module):
+    """The tied embedding / output head in int8 per row: one table; the embedding dequantizes the rows it looks up,
+    the head (`head`) is an Int8Linear over the same rows."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.q, self.scale = quantize_int8(weight)
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+        self.head = Int8Linear(self.q, self.scale, None, dtype)
+        if self.head.fbgemm is not None:
+            self.head_bytes = self.head.weight_bytes()
+        else:
+            self.head_bytes = 0  # the head reads this table
+            self.head.q, self.head.scale = self.q, self.scale
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return (self.q[idx].to(self.dtype) * self.scale[idx, None].to(self.dtype))
+
+    def weight_bytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4 + self.head_bytes
+
+
+def _block_linears(model: nn.Module):
+    for name, m in model.named_modules():
+        for child_name, child in m.named_children():
+            if type(child) is nn.Linear and child_name != "lm_head":
+                yield (f"{name}.{child_name}" if name else child_name), m, child_name, child
+
+
+def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP) -> dict:
+    """Swap the block Linears (and, for int8/int4, the tied head and embedding) for served modules, in place.
+    fmt: none (PackedLinear on a CPU in fp32/bf16; nothing elsewhere), int8, int4. Returns what it did."""
+    if fmt not in FORMATS:
+        raise FormatError(f"unknown weight format {fmt!r}: use one of {', '.join(FORMATS)}")
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    if fmt == "int4":
+        for name, _, _, lin in _block_linears(model):
+            check_int4_shape(tuple(lin.weight.shape), group, name)
+    swapped = 0
+    for _name, parent, child_name, lin in list(_block_linears(model)):
+        new = None
+        if fmt == "none":
+            if device.type == "cpu" and ONEDNN_LINEAR is not None and dtype in (torch.float32, torch.bfloat16):
+                new = PackedLinear(lin)
+        elif fmt == "int8":
+            new = Int8Linear(*quantize_int8(lin.weight), lin.bias, dtype)
+        else:
+            new = Int4Linear(*quantize_int4(lin.weight, group), lin.bias, dtype, group)
+        if new is not None:
+            setattr(parent, child_name, new)  # the plain weight is freed with the old module
+            swapped += 1
+    if fmt != "none":
+        wte = model.transformer.wte
+        emb = Int8Embedding(wte.weight, dtype)
+        model.transformer.wte = emb
+        model.lm_head = emb.head
+    return {"format": fmt, "swapped": swapped, "group": group if fmt == "int4" else None}
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the served weights take: each tensor once, opaque packed layouts at their plain size."""
+    heads = {id(m.head) for m in model.modules() if isinstance(m, Int8Embedding)}  # counted with their table
+    total = sum(m.weight_bytes() for m in model.modules()
+                if isinstance(m, (_Served, Int8Embedding)) and id(m) not in heads)
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return total + sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@torch.inference_mode()
+def tune(model: nn.Module, repeats: int = 7) -> dict:
+    """Per weight shape of the fp32 PackedLinears, time one row through oneDNN's packed copy against MKL's GEMV on
+    a column-major copy (interleaved, median ratio); keep that copy (the weight's memory once more) only where MKL
+    is >= 10% faster. `GPT_SMALL_LINEAR=mkl|onednn` forces either. For the engine's warm-up, never a request's
+    forward; returns {(out, in): "mkl" | "onednn"}."""
+    forced = os.environ.get("GPT_SMALL_LINEAR", "auto")
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.dtype == torch.float32]
+    choice: dict[tuple, str] = {}
+    for shape in dict.fromkeys((m.out_features, m.in_features) for m in layers):
+        if forced in ("mkl", "onednn"):
+            choice[shape] = forced
+        else:
+            m = next(m for m in layers if (m.out_features, m.in_features) == shape)
+            choice[shape] = "mkl" if _mkl_over_onednn(m, repeats) < 0.9 else "onednn"
+    for m in layers:
+        if choice.get((m.out_features, m.in_features)) == "mkl" and m.column_major is None:
+            m.column_major = _unpack_column_major(m)
+    return choice
+
+
+def _mkl_over_onednn(m: PackedLinear, repeats: int) -> float:
+    """Median time ratio of one row through MKL's GEMV (column-major weight) to oneDNN's packed copy."""
+    x = torch.randn(1, m.in_features)
+    cm = torch.randn(m.in_features, m.out_features).t()  # the same layout a kept copy would have
+    calls = max(1, min(5, int(5e6 // cm.numel())))  # ~20 ms a library at most, even for a large head
+    runs = {"mkl": lambda: F.linear(x, cm, m.bias),
+            "onednn": lambda: ONEDNN_LINEAR(x, m.packed, m.bias, "none", [], "")}
+    for f in runs.values():  # first calls set up threads and primitives
+        for _ in range(2):
+            f()
+    ratios = []
+    for _ in range(repeats):
+        t = {}
+        for name, f in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                f()
+            t[name] = time.perf_counter() - t0
+        ratios.append(t["mkl"] / t["onednn"])
+    return sorted(ratios)[len(ratios) // 2]
+
+
+def _unpack_column_major(m: PackedLinear) -> torch.Tensor:
+    """The plain weight back from oneDNN's packed copy (x = I through the matmul), stored column-major."""
+    eye = torch.eye(m.in_features, dtype=m.dtype)
+    wt = ONEDNN_LINEAR(eye, m.packed, None, "none", [], "")  # (in, out) = Wᵀ, contiguous
+    return wt.t()

@@ -1,0 +1,162 @@
+"""Weight formats and their kernels (model/linear.py): each served Linear against F.linear on the fp32 weight, the
+swap of a whole model (cached decode = its own full recompute), batch invariance, and the errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model.linear as L
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.kv_cache import KVCache
+
+needs_onednn = pytest.mark.skipif(L.ONEDNN_LINEAR is None, reason="this torch build has no oneDNN linear")
+
+
+def small_gpt(seed: int = 0, n_embd: int = 64) -> GPT:
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=2, n_embd=n_embd, dropout=0.0)
+    return GPT(cfg).eval()
+
+
+def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def layer(out_f: int = 48, in_f: int = 64, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(in_f, out_f)
+
+
+def test_plain_linear_is_f_linear_with_the_activation():
+    lin, act = layer(), torch.nn.GELU(approximate="tanh")
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(L.linear(x, lin, act), act(F.linear(x, lin.weight, lin.bias)), atol=1e-5,
+                                   rtol=1e-5)
+    y = L.linear(x.requires_grad_(), lin)  # a pass that needs gradients keeps autograd's F.linear
+    y.sum().backward()
+    assert lin.weight.grad is not None
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 17])
+def test_packed_linear_equals_f_linear(rows, dtype, tol):
+    lin = layer()
+    ref_act = torch.nn.GELU(approximate="tanh")
+    packed = L.PackedLinear(copy.deepcopy(lin).to(dtype))
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        ref = ref_act(F.linear(x, lin.weight, lin.bias))
+        got = L.linear(x.to(dtype), packed, ref_act)
+    assert got.dtype == dtype
+    assert relerr(got, ref) < tol
+
+
+@needs_onednn
+def test_tune_keeps_a_column_major_copy_only_where_mkl_is_chosen(monkeypatch):
+    model = small_gpt()
+    L.convert(model, "none")
+    layers = [m for m in model.modules() if isinstance(m, L.PackedLinear)]
+    assert len(layers) == 8 and all(m.column_major is None for m in layers)
+    before = L.weight_bytes(model)
+    monkeypatch.setenv("GPT_SMALL_LINEAR", "onednn")
+    assert set(L.tune(model).values()) == {"onednn"}
+    assert all(m.column_major is None for m in layers) and L.weight_bytes(model) == before
+    monkeypatch.setenv("GPT_SMALL_LINEAR", "mkl")
+    assert set(L.tune(model).values()) == {"mkl"}
+    assert all(m.column_major is not None for m in layers) and L.weight_bytes(model) > before
+    m = layers[0]
+    lin = model.transformer.h[0].attn.c_attn
+    assert lin is m
+    x = torch.randn(1, 64)
+    with torch.inference_mode():  # one row reads the copy (MKL), two rows the packed weight (oneDNN): same result
+        torch.testing.assert_close(m(x), m(torch.cat([x, x]))[:1], atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("GPT_SMALL_LINEAR", "auto")
+    assert set(L.tune(model, repeats=3).values()) <= {"mkl", "onednn"}
+
+
+def test_int8_quantization_round_trips_within_half_a_step():
+    w = torch.randn(40, 64)
+    q, scale = L.quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_quantization_round_trips_and_packs(group):
+    w = torch.randn(48, 128)
+    q, scale, zero = L.quantize_int4(w, group)
+    assert q.max() <= 15 and q.min() >= 0
+    deq = (q.float() - 8) * scale.repeat_interleave(group, 1) + zero.repeat_interleave(group, 1)
+    assert ((deq - w).abs() <= scale.repeat_interleave(group, 1) / 2 + 1e-5).all()
+    assert torch.equal(L.unpack_nibbles(L.pack_nibbles(q)), q)
+
+
+@pytest.mark.parametrize("fbgemm", [True, False])
+def test_int8_linear_is_close_to_fp32_and_batch_invariant(fbgemm, monkeypatch):
+    if fbgemm and not L.HAS_FBGEMM:
+        pytest.skip("no fbgemm in this torch build")
+    monkeypatch.setattr(L, "HAS_FBGEMM", fbgemm)
+    lin = layer(48, 64)
+    m = L.Int8Linear(*L.quantize_int8(lin.weight), lin.bias, torch.float32)
+    assert (m.fbgemm is not None) == fbgemm
+    x = torch.randn(9, 64)
+    with torch.inference_mode():
+        y = m(x)
+        assert relerr(y, F.linear(x, lin.weight, lin.bias)) < 0.03
+        alone = torch.cat([m(x[i:i + 1]) for i in range(9)])
+    assert torch.equal(alone, y)  # a row's result does not depend on its batch
+
+
+def test_int4_linear_is_close_to_fp32():
+    lin = layer(48, 128)
+    m = L.Int4Linear(*L.quantize_int4(lin.weight, 32), lin.bias, torch.float32, 32)
+    x = torch.randn(5, 128)
+    with torch.inference_mode():
+        assert relerr(m(x), F.linear(x, lin.weight, lin.bias)) < 0.15
+    assert m.weight_bytes() < 48 * 128  # under a byte a weight
+
+
+@pytest.mark.parametrize("fmt", ["none", "int8", "int4"])
+def test_converted_model_cached_decode_equals_its_own_recompute(fmt):
+    model = small_gpt()
+    ref = copy.deepcopy(model)
+    info = L.convert(model, fmt, 32)
+    assert info["format"] == fmt
+    idx = torch.randint(0, 96, (3, 12))
+    with torch.inference_mode():
+        full, _ = model(idx)
+        cache = KVCache(model.config, 3, 32)
+        cached = model.forward_cached(idx[:, :7], cache, [0, 1, 2], all_logits=True)
+        step = [model.forward_cached(idx[:, t:t + 1], cache, [0, 1, 2]) for t in range(7, 12)]
+        base, _ = ref(idx)
+    torch.testing.assert_close(cached, full[:, :7], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.stack(step, 1), full[:, 7:], atol=1e-4, rtol=1e-4)
+    tol = {"none": 1e-5, "int8": 0.05, "int4": 0.2}[fmt]
+    assert relerr(full, base) < tol
+    if fmt != "none":
+        assert L.weight_bytes(model) < L.weight_bytes(ref) / 2
+
+
+def test_bad_formats_and_shapes_are_one_line_errors():
+    with pytest.raises(L.FormatError, match="unknown weight format 'int3'"):
+        L.convert(small_gpt(), "int3")
+    with pytest.raises(L.FormatError, match=r"transformer\.h\.0\.attn\.c_attn is 144x48"):
+        L.convert(small_gpt(n_embd=48), "int4", 32)  # 48 inputs: not whole groups of 32
+    with pytest.raises(L.FormatError, match="group size must be one of"):
+        L.convert(small_gpt(), "int4", 48)
+
+
+def test_weight_bytes_counts_one_copy():
+    model = small_gpt()
+    plain = L.weight_bytes(model)
+    assert plain == sum(p.numel() * 4 for p in model.parameters())
+    if L.ONEDNN_LINEAR is not None:
+        L.convert(model, "none")
+        assert L.weight_bytes(model) == plain  # the packed copy replaces the plain one

@@ -1,0 +1,62 @@
+"""KV-cache slots from a memory budget (engine/sizing.py) and the start-up checks built on it
+(engine/core_process.py), with fake free-memory figures: nothing here allocates gigabytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.core_process import CoreConfig, StartupError, check_fits
+from engine.sizing import SLOT_ALLOWANCE, SizingError, kv_bytes_per_slot, parse_memory, plan_slots
+
+CPU = torch.device("cpu")
+GIB = 2**30
+# GPT-2 124M: 12 layers, 768 dims, 1,024 tokens: 72 MiB of fp32 keys and values a slot
+GPT2 = dict(n_layer=12, n_embd=768, context=1024)
+
+
+def test_parse_memory():
+    assert parse_memory(None) is None and parse_memory("auto") is None
+    assert parse_memory("0.25") == ("fraction", 0.25) and parse_memory(1) == ("fraction", 1.0)
+    assert parse_memory("4GiB") == ("bytes", 4 * GIB) and parse_memory("512 MB") == ("bytes", 512e6)
+    assert parse_memory("1000000") == ("bytes", 1e6)
+    for bad in ("lots", "-1", "0", "3 furlongs"):
+        with pytest.raises(SizingError, match="kv_cache_memory"):
+            parse_memory(bad)
+
+
+def test_slots_come_from_the_budget_and_are_capped():
+    per = kv_bytes_per_slot(**GPT2, dtype=torch.float32) + SLOT_ALLOWANCE
+    assert kv_bytes_per_slot(**GPT2, dtype=torch.bfloat16) * 2 == kv_bytes_per_slot(**GPT2, dtype=torch.float32)
+    plan = plan_slots(**GPT2, device=CPU, kv_dtype=torch.float32, available=20 * GIB)  # default: half of it
+    assert plan.slots == 32 and plan.budget == 10 * GIB  # capped at 32 on a CPU
+    plan = plan_slots(**GPT2, device=CPU, kv_dtype=torch.float32, available=20 * GIB, kv_cache_memory="1GiB")
+    assert plan.slots == GIB // per == 13
+    plan = plan_slots(**GPT2, device=CPU, kv_dtype=torch.bfloat16, available=20 * GIB, kv_cache_memory="1GiB")
+    assert plan.slots == 25  # half the bytes a slot: about twice the slots
+    plan = plan_slots(**GPT2, device=CPU, kv_dtype=torch.float32, available=4 * GIB, kv_cache_memory="0.1")
+    assert plan.slots == int(0.1 * 4 * GIB) // per
+    assert plan_slots(**GPT2, device=CPU, kv_dtype=torch.float32, available=GIB, max_batch_size=3).slots == 3
+
+
+def test_a_budget_without_one_slot_is_a_one_line_error():
+    with pytest.raises(SizingError) as e:
+        plan_slots(**GPT2, device=CPU, kv_dtype=torch.float32, available=20 * GIB, kv_cache_memory="50MB")
+    msg = str(e.value)
+    assert "\n" not in msg and "holds no full-length slot" in msg and "0.07 GiB" in msg
+    assert "GPT_KV_CACHE_MEMORY" in msg
+    with pytest.raises(SizingError, match="max_batch_size 64 needs"):
+        plan_slots(**GPT2, device=CPU, kv_dtype=torch.float32, available=20 * GIB, kv_cache_memory="1GiB",
+                   max_batch_size=64)
+
+
+def test_start_up_refuses_weights_that_do_not_fit():
+    ckpt = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare"
+    cfg = CoreConfig(checkpoint=str(ckpt))
+    check_fits(cfg, CPU, torch.float32, available=20 * GIB)  # fits: no error
+    with pytest.raises(StartupError) as e:
+        check_fits(cfg, CPU, torch.float32, available=1000)
+    assert "\n" not in str(e.value) and "plus one full-length KV slot" in str(e.value)
+    assert str(ckpt) in str(e.value)

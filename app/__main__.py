@@ -17,11 +17,12 @@ import os
 import sys
 import threading
 import time
+import typing
 
 import uvicorn
 
 from app import __version__
-from app.config import SettingsError, load_settings
+from app.config import Settings, SettingsError, load_settings
 from app.server import create_app
 from app.service import CoreHandle, Service, StartupError, load_model
 from engine.core_process import CoreConfig
@@ -29,33 +30,65 @@ from engine.core_process import CoreConfig
 log = logging.getLogger("app")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _flag_type(annotation) -> type | None:
+    """argparse's type for a settings field: bool (None: a --x / --no-x pair), int, float; the rest go to pydantic
+    as text, as environment variables do."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    if typing.get_origin(annotation) is typing.Literal:
+        args = [type(a) for a in args]
+    elif len(args) == 1 and typing.get_origin(args[0]) is typing.Literal:
+        args = [type(a) for a in typing.get_args(args[0])]
+    if all(a is bool for a in args):
+        return None
+    for t in (int, float):
+        if all(a is t for a in args):
+            return t
+    return str
+
+
+def _choices(annotation) -> tuple:
+    for a in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(a) is typing.Literal:
+            return typing.get_args(a)
+    return ()
+
+
+def _default_text(field) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+        return ",".join(map(str, value)) if value else "empty"
+    value = field.default
+    if value is None:
+        return "unset"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per `Settings` field, generated (a setting is declared once, in app/config.py): --name-with-dashes,
+    help from the field's description, with its GPT_ variable and default. Every flag defaults to None, so an
+    unset flag leaves the environment's value."""
     p = argparse.ArgumentParser(prog="python -m app", description="Serve a GPT checkpoint over HTTP "
                                 "(TGI- and OpenAI-compatible). Flags override GPT_* environment variables.")
-    p.add_argument("--checkpoint", help="checkpoint directory (env GPT_CHECKPOINT, default checkpoints/shakespeare)")
-    p.add_argument("--host", help="interface (env GPT_HOST, default 0.0.0.0)")
-    p.add_argument("--port", type=int, help="port (env GPT_PORT, default 8000)")
-    p.add_argument("--device", help="auto | cuda | cuda:N | cpu (env GPT_DEVICE, default auto)")
-    p.add_argument("--dtype", help="auto | bf16 | fp16 | fp32 (env GPT_DTYPE, default auto)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on generation routes (env GPT_API_KEY)")
-    p.add_argument("--max-batch-size", type=int, help="KV-cache slots (env GPT_MAX_BATCH_SIZE; default: "
-                   "GPT_KV_CACHE_MEMORY_FRACTION of a GPU's free memory, 32 on a CPU)")
-    p.add_argument("--max-queue", type=int, help="waiting requests before 429 (env GPT_MAX_QUEUE, default 128)")
-    p.add_argument("--max-prompt-tokens", type=int, help="env GPT_MAX_PROMPT_TOKENS (default context - 1)")
-    p.add_argument("--max-new-tokens", type=int, help="cap on max_new_tokens (env GPT_MAX_NEW_TOKENS)")
-    p.add_argument("--request-timeout-s", type=float, help="per-request limit (env GPT_REQUEST_TIMEOUT_S, 300)")
-    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per engine step (env GPT_PREFILL_CHUNK, 128)")
-    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse cached prompt prefixes (env GPT_PREFIX_CACHE, default on)")
-    p.add_argument("--cors-origins", help="comma-separated allowed origins (env GPT_CORS_ORIGINS)")
-    p.add_argument("--torch-threads", type=int, help="CPU threads for torch ops (env GPT_TORCH_THREADS)")
-    p.add_argument("--model-name", help="model id shown by /info and /v1/models (env GPT_MODEL_NAME)")
-    p.add_argument("--log-level", help="critical | error | warning | info | debug (env GPT_LOG_LEVEL)")
-    p.add_argument("--engine", help="process | thread: where the engine core runs (env GPT_ENGINE, default process)")
-    p.add_argument("--api-servers", type=int, help="HTTP front processes on one engine core (env GPT_API_SERVERS, "
-                   "default 1)")
+    for name, field in Settings.model_fields.items():
+        kind = _flag_type(field.annotation)
+        env = f"GPT_{name.upper()}"
+        text = field.description or name.replace("_", " ")
+        choices = _choices(field.annotation)
+        if choices:
+            text = f"{' | '.join(map(str, choices))}: {text}" if field.description else " | ".join(map(str, choices))
+        help_ = f"{text} (env {env}, default {_default_text(field)})".replace("%", "%%")
+        flag = "--" + name.replace("_", "-")
+        if kind is None:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            p.add_argument(flag, dest=name, type=kind, default=None, help=help_,
+                           metavar=name.upper() if kind is str else None)
     p.add_argument("--version", action="version", version=f"gpt-serve {__version__}")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 class DrainingServer(uvicorn.Server):

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from model.checkpoint import CheckpointError, load_checkpoint
+from model.device import DTYPES
+from model.linear import DEFAULT_INT4_GROUP, FORMATS, INT4_GROUPS, FormatError, convert
 from training.data import DataError, encode_stream
 from training.text import resolve_inputs
 
@@ -86,9 +88,14 @@ def evaluate_tokens(model, tokens: np.ndarray, block_size: int, stride: int, bat
 
 
 def evaluate(checkpoint: str, inputs: list[str], block_size: int | None = None, batch_size: int = 8,
-             stride: int | None = None, device: str = "cpu") -> dict:
+             stride: int | None = None, device: str = "cpu", quantize: str = "none",
+             int4_group: int = DEFAULT_INT4_GROUP, dtype: str = "fp32") -> dict:
+    """Bits per byte of the checkpoint on the inputs, served in a weight format (`quantize`: the server's
+    model.linear.convert, so a format's quality is measured on the code that serves it) and dtype."""
     files = resolve_inputs(inputs)
-    ck = load_checkpoint(checkpoint, device=device)
+    ck = load_checkpoint(checkpoint, device=device, dtype=DTYPES[dtype])
+    if quantize != "none":
+        convert(ck.model, quantize, int4_group)
     W = block_size or ck.config.block_size
     if not 1 <= W <= ck.config.block_size:
         raise DataError(f"--block-size must be in [1, {ck.config.block_size}] (the model's context), got {W}")
@@ -124,6 +131,7 @@ def evaluate(checkpoint: str, inputs: list[str], block_size: int | None = None, 
         "block_size": W,
         "stride": S,
         "checkpoint": str(checkpoint),
+        "format": quantize, "dtype": dtype, "int4_group": int4_group if quantize == "int4" else None,
         "input": [str(f) for f in files],
         "seconds": round(time.perf_counter() - t0, 2),
     }
@@ -143,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="window step (default: block size // 2; = block size for non-overlapping windows)")
     p.add_argument("--batch-size", type=int, default=8, metavar="B", help="windows per forward pass (default: 8)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--quantize", choices=FORMATS, default="none",
+                   help="score the weights in this format, as the server's --quantize serves them")
+    p.add_argument("--int4-group-size", type=int, default=DEFAULT_INT4_GROUP, choices=INT4_GROUPS)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype (default: fp32)")
     return p
 
 
@@ -158,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: --device must be auto, cpu, cuda or cuda:N, got {device!r}", file=sys.stderr)
         return 2
     try:
-        result = evaluate(args.checkpoint, args.input, args.block_size, args.batch_size, args.stride, device)
-    except (DataError, CheckpointError) as e:
+        result = evaluate(args.checkpoint, args.input, args.block_size, args.batch_size, args.stride, device,
+                          args.quantize, args.int4_group_size, args.dtype)
+    except (DataError, CheckpointError, FormatError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

@@ -6,7 +6,6 @@ flags as init arguments, which take priority over the environment.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -14,6 +13,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.sizing import parse_memory
+from model.device import device_name, dtype_name
 
 
 class SettingsError(ValueError):
@@ -99,10 +99,7 @@ class Settings(BaseSettings):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        v = v.strip().lower()
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
-            raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {v!r}")
-        return v
+        return device_name(v)  # model.device: the parser the CLIs and training share
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -110,7 +107,12 @@ class Settings(BaseSettings):
         parse_memory(v)  # SizingError (a ValueError) names the problem
         return v
 
-    @field_validator("dtype", "log_level", "engine", mode="before")
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, v):
+        return dtype_name(v) if isinstance(v, str) else v  # also torch's spelling: float32, bfloat16, float16
+
+    @field_validator("log_level", "engine", mode="before")
     @classmethod
     def _lower(cls, v):
         return v.strip().lower() if isinstance(v, str) else v

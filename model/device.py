@@ -4,11 +4,32 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's names (training configs use them)
+
+
+def device_name(name: str) -> str:
+    """The one parser of device names (the server's settings, the CLIs, training configs): auto, cpu, cuda or cuda:N,
+    any case → lower case; ValueError otherwise. Whether that device exists is resolve_device's question."""
+    n = name.strip().lower()
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", n):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    return n
+
+
+def dtype_name(name: str) -> str:
+    """The one parser of dtype names: auto, fp32 / bf16 / fp16 or torch's float32 / bfloat16 / float16, any case →
+    auto or the short name; ValueError otherwise."""
+    n = name.strip().lower()
+    n = DTYPE_ALIASES.get(n, n)
+    if n != "auto" and n not in DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(DTYPES)} (or {', '.join(DTYPE_ALIASES)}), got {name!r}")
+    return n
 
 
 def reserved_gpu() -> str | None:
@@ -28,6 +49,7 @@ def resolve_device(name: str = "auto") -> torch.device:
     cannot use it (a CPU build of torch, or a CUDA build newer than the driver): that is a deployment error, not a
     reason to serve on the CPU at a fraction of the speed, so it fails with one line (ValueError); --device cpu
     says the CPU is meant."""
+    name = device_name(name)
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -39,8 +61,6 @@ def resolve_device(name: str = "auto") -> torch.device:
                              f"CUDA build); install a torch build this driver runs (the image: --build-arg "
                              f"TORCH_VARIANT=cu128 or cu126) or pass --device cpu to serve on the CPU")
         return torch.device("cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available; use --device cpu")
     device = torch.device(name)
@@ -50,8 +70,7 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    name = dtype_name(name)
     if name == "auto":  # bf16 halves weight reads on the GPU; CPUs are fastest (and exact) in fp32
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}; got {name!r}")
     return DTYPES[name]

@@ -21,6 +21,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
+from model.device import device_name, dtype_name
+
+_TRAIN_DTYPES = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16"}
+
 
 class ConfigError(ValueError):
     """A bad config file, key or value; the message names the problem (shown to the user without a traceback)."""
@@ -78,7 +82,9 @@ class TrainConfig(BaseModel):
     # --- system ---
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast on CUDA (if supported), fp32 on CPU
+    # auto: bf16 autocast on CUDA (if supported), fp32 on CPU. Either spelling (model.device.dtype_name); held as
+    # float32 / bfloat16
+    dtype: Literal["auto", "float32", "bfloat16", "fp32", "bf16"] = "auto"
     compile: bool = False  # torch.compile the model
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
     peak_tflops: float | None = None  # accelerator peak for MFU; None = guess from the GPU's name
@@ -95,6 +101,7 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_ranges(self) -> TrainConfig:
+        self.dtype = _TRAIN_DTYPES[dtype_name(self.dtype)]
         errs = self.range_errors()
         if errs:
             raise ConfigError("invalid config: " + "; ".join(errs))
@@ -126,8 +133,10 @@ class TrainConfig(BaseModel):
             errs.append(f"lr_decay_iters must be >= 1 or null, got {self.lr_decay_iters}")
         if self.max_minutes is not None and self.max_minutes <= 0:
             errs.append(f"max_minutes must be > 0 or null, got {self.max_minutes}")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            errs.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        try:
+            device_name(self.device)
+        except ValueError as e:
+            errs.append(str(e))
         return errs
 
     def to_dict(self) -> dict[str, Any]:

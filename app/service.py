@@ -120,8 +120,12 @@ class Service:
             max_top_n_tokens=s.max_top_n_tokens, vocab_size=self.tokenizer.vocab_size,
             max_choices=slots + s.max_queue)
         await self.engine.start()
-        log.info("serving %s (%s parameters, context %d) on %s/%s, %d slots, engine in a %s, chat template: %s",
-                 self.checkpoint_path, f"{info['n_params']:,}", block, info["device"], info["dtype"], slots,
+        kv = info.get("kv_cache") or {}
+        log.info("serving %s (%s parameters, context %d) on %s/%s, weights %s (%.1f MB), %d slots (KV cache %.1f MB "
+                 "%s of a %.1f MB budget), engine in a %s, chat template: %s",
+                 self.checkpoint_path, f"{info['n_params']:,}", block, info["device"], info["dtype"],
+                 info.get("weights"), (info.get("weight_bytes") or 0) / 1e6, slots, kv.get("bytes", 0) / 1e6,
+                 kv.get("dtype"), kv.get("budget", 0) / 1e6,
                  "thread" if s.engine == "thread" else f"process (pid {self.core.pid})", self.chat_template.origin)
 
     def eos_text(self) -> str:

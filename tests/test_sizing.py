@@ -60,3 +60,26 @@ def test_start_up_refuses_weights_that_do_not_fit():
         check_fits(cfg, CPU, torch.float32, available=1000)
     assert "\n" not in str(e.value) and "plus one full-length KV slot" in str(e.value)
     assert str(ckpt) in str(e.value)
+
+
+def test_build_core_reports_the_format_the_weights_and_the_cache():
+    from engine.core_process import build_core
+
+    ckpt = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare"
+    cfg = CoreConfig(checkpoint=str(ckpt), device="cpu", dtype="fp32", quantize="int8", kv_cache_memory="64MB",
+                     kv_cache_dtype="bf16", warmup=False)
+    core, info, _ = build_core(cfg)
+    kv = info["kv_cache"]
+    assert info["weights"] == "int8" and 0 < info["weight_bytes"] < 0.4 * 4 * info["n_params"]
+    assert kv["dtype"] == "bf16" and kv["slots"] == info["max_batch_size"] == core.n_slots
+    assert kv["per_slot"] == kv_bytes_per_slot(4, 256, 256, torch.bfloat16) and kv["bytes"] == core.cache.nbytes()
+    assert kv["slots"] == min(32, 64_000_000 // (kv["per_slot"] + SLOT_ALLOWANCE))
+
+
+def test_bad_format_settings_are_one_line_errors():
+    from app.config import SettingsError, load_settings
+
+    with pytest.raises(SettingsError, match=r"quantize \(--quantize or env GPT_QUANTIZE\)"):
+        load_settings(quantize="int3")
+    with pytest.raises(SettingsError, match="kv_cache_memory.*bytes"):
+        load_settings(kv_cache_memory="plenty")

@@ -71,6 +71,8 @@ async def info(service: ServiceDep) -> dict:
             "model_dtype": info.get("dtype"), "engine_mode": service.settings.engine, "engine_pid": info.get("pid"),
             "torch_threads": info.get("torch_threads"),
             "malloc_keeps_freed_memory": info.get("malloc_keeps_freed_memory"),
+            "weights": info.get("weights"), "weight_bytes": info.get("weight_bytes"),
+            "kv_cache": info.get("kv_cache"), "kernels": info.get("kernels"),
             "api_servers": service.settings.api_servers})
     if service.limits is not None:
         lim = service.limits

@@ -107,6 +107,7 @@ def check_fits(cfg: CoreConfig, device, dtype, available: int | None = None) -> 
 
     from engine.sizing import available_memory, gib, kv_bytes_per_slot
     from model.checkpoint import WEIGHTS, read_config
+    from model.quantize import QUANTIZATION
 
     path = Path(cfg.checkpoint) / WEIGHTS
     try:
@@ -116,7 +117,8 @@ def check_fits(cfg: CoreConfig, device, dtype, available: int | None = None) -> 
         return
     # loading reads the stored tensors and converts them to the serving dtype (int8/int4 are made from those)
     elsize = torch.empty((), dtype=dtype).element_size()
-    weights = max(stored, config_params(config) * elsize)
+    quantized = (Path(cfg.checkpoint) / QUANTIZATION).is_file()  # loads as stored, no fp32 copy on the way
+    weights = stored if quantized else max(stored, config_params(config) * elsize)
     slot = kv_bytes_per_slot(config.n_layer, config.n_embd, config.block_size, resolve_kv_dtype(cfg, dtype))
     free = available_memory(device) if available is None else available
     if weights + slot > free:

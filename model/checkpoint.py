@@ -30,6 +30,8 @@ from safetensors.torch import load_file, save_file
 
 from model.config import GPTConfig
 from model.gpt import GPT, sinusoidal_table
+from model.linear import FormatError, block_linears
+from model.quantize import check_quantized_state, install_quantized, quantized_keys, read_quantization
 from model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 CONFIG, WEIGHTS, TOKENIZER, METADATA = "config.json", "model.safetensors", "tokenizer.json", "metadata.json"
@@ -105,9 +107,22 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{weights}: truncated or corrupt safetensors file ({e})") from e
 
+    try:
+        quant = read_quantization(path)  # model/quantize.py's output: int8/int4 tensors stored
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     with torch.device("meta"):  # no time spent on a random init that is overwritten anyway
         model = GPT(config)
-    expected = {k: v.shape for k, v in model.state_dict().items() if k != TIED}
+    if quant is not None:
+        names = [n for n, *_ in block_linears(model)]
+        try:
+            check_quantized_state(state, names, quant, str(weights))
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        stored_quantized = quantized_keys(state, quant)
+        qstate = {k: state.pop(k) for k in stored_quantized}
+    expected = {k: v.shape for k, v in model.state_dict().items()
+                if k != TIED and not (quant is not None and k in stored_quantized)}
     problems = [f"missing tensor {k}" for k in expected if k not in state]
     problems += [f"unexpected tensor {k}" for k in state if k not in expected]
     problems += [f"tensor {k} has shape {tuple(state[k].shape)}, config.json implies {tuple(s)}"
@@ -123,7 +138,19 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
     model.lm_head.weight = model.transformer.wte.weight  # re-tie after assign
     if config.position == "sinusoidal":  # a buffer, not stored: rebuild it off the meta device
         model.pos_table = sinusoidal_table(config.block_size, config.n_embd)
+    if quant is not None:  # the quantized modules replace the meta Linears and embedding before the move
+        places = [(name, parent, child_name) for name, parent, child_name, _ in block_linears(model)]
+        for _, parent, child_name in places:
+            setattr(parent, child_name, torch.nn.Identity())
+        model.transformer.wte = model.lm_head = torch.nn.Identity()
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    if quant is not None:
+        target = dtype or next(model.parameters()).dtype
+        state.update(qstate)
+        try:
+            install_quantized(model, places, state, quant, torch.device(device), target)
+        except FormatError as e:
+            raise CheckpointError(f"{weights}: {e}") from None
     return Checkpoint(path, model.eval(), tokenizer, config, metadata)
 
 

@@ -133,6 +133,11 @@ class GPT(nn.Module):
         wte = self.transformer.wte
         if size <= wte.num_embeddings:
             return
+        if hasattr(wte, "pad_rows"):  # a quantized table (model/linear.py) grows itself and remakes its head
+            wte.pad_rows(size)
+            self.lm_head = wte.head
+            self.config = dataclasses.replace(self.config, vocab_size=size)
+            return
         weight = torch.zeros(size, wte.embedding_dim, dtype=wte.weight.dtype, device=wte.weight.device)
         weight[: wte.num_embeddings] = wte.weight
         wte.weight = nn.Parameter(weight, requires_grad=wte.weight.requires_grad)

@@ -279,19 +279,37 @@ class Int4Linear(_Served):
 
 class Int8Embedding(nn.Module):
     """The tied embedding / output head in int8 per row: one table; the embedding dequantizes the rows it looks up,
-    the head (`head`) is an Int8Linear over the same rows."""
+    the head (`head`) is an Int8Linear over the same rows (fbgemm's packed copy of them on an x86 CPU)."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
-        self.q, self.scale = quantize_int8(weight)
-        self.num_embeddings, self.embedding_dim = weight.shape
-        self.dtype = dtype
+        self._set(*quantize_int8(weight), dtype)
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Int8Embedding:
+        emb = cls.__new__(cls)
+        nn.Module.__init__(emb)
+        emb._set(q, scale.float(), dtype)
+        return emb
+
+    def _set(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        self.q, self.scale, self.dtype = q, scale, dtype
+        self.num_embeddings, self.embedding_dim = q.shape
         self.head = Int8Linear(self.q, self.scale, None, dtype)
         if self.head.fbgemm is not None:
             self.head_bytes = self.head.weight_bytes()
         else:
             self.head_bytes = 0  # the head reads this table
             self.head.q, self.head.scale = self.q, self.scale
+
+    def pad_rows(self, size: int) -> None:
+        """Grow the table to `size` rows of zeros (GPT.pad_vocab); the head is remade over them."""
+        if size <= self.num_embeddings:
+            return
+        q = torch.zeros(size, self.embedding_dim, dtype=torch.int8, device=self.q.device)
+        scale = torch.ones(size, dtype=self.scale.dtype, device=self.scale.device)
+        q[: self.num_embeddings], scale[: self.num_embeddings] = self.q, self.scale
+        self._set(q, scale, self.dtype)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return (self.q[idx].to(self.dtype) * self.scale[idx, None].to(self.dtype))
@@ -300,7 +318,7 @@ class Int8Embedding(nn.Module):
         return self.q.numel() + self.scale.numel() * 4 + self.head_bytes
 
 
-def _block_linears(model: nn.Module):
+def block_linears(model: nn.Module):
     for name, m in model.named_modules():
         for child_name, child in m.named_children():
             if type(child) is nn.Linear and child_name != "lm_head":
@@ -314,11 +332,17 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
         raise FormatError(f"unknown weight format {fmt!r}: use one of {', '.join(FORMATS)}")
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
+    stored = quantized_format(model)
+    if stored is not None:  # a checkpoint saved quantized (model/quantize.py) comes back in its format
+        if fmt not in ("none", stored):
+            raise FormatError(f"the checkpoint's weights are stored as {stored}: serve it with --quantize {stored} "
+                              f"(or none), or quantize its fp32 source to {fmt}")
+        return {"format": stored, "swapped": 0, "group": None}
     if fmt == "int4":
-        for name, _, _, lin in _block_linears(model):
+        for name, _, _, lin in block_linears(model):
             check_int4_shape(tuple(lin.weight.shape), group, name)
     swapped = 0
-    for _name, parent, child_name, lin in list(_block_linears(model)):
+    for _name, parent, child_name, lin in list(block_linears(model)):
         new = None
         if fmt == "none":
             if device.type == "cpu" and ONEDNN_LINEAR is not None and dtype in (torch.float32, torch.bfloat16):
@@ -336,6 +360,12 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
         model.transformer.wte = emb
         model.lm_head = emb.head
     return {"format": fmt, "swapped": swapped, "group": group if fmt == "int4" else None}
+
+
+def quantized_format(model: nn.Module) -> str | None:
+    """int4 / int8 when the model already holds quantized modules, else None."""
+    kinds = {type(m) for m in model.modules()}
+    return "int4" if Int4Linear in kinds else "int8" if kinds & {Int8Linear, Int8Embedding} else None
 
 
 def weight_bytes(model: nn.Module) -> int:

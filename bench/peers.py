@@ -49,7 +49,7 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # its sdist vendors the llama.cpp tree we b
 # ("operator torchvision::nms does not exist") and vLLM serves text models without them
 VLLM_BREAKING_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 CONTEXT = 1024  # GPT-2's context: every server gets SLOTS sequences of this length
-SLOTS = 32  # our CPU default (app.config.CPU_DEFAULT_BATCH); llama-server -np, vLLM --max-num-seqs
+SLOTS = 32  # our CPU default (engine.sizing.CPU_DEFAULT_BATCH); llama-server -np, vLLM --max-num-seqs
 EOT = 50256
 MODEL_NAME = "gpt2-random"
 
@@ -60,12 +60,17 @@ SERVERS: dict[str, dict[str, Any]] = {
     "llama-f32": {"kind": "llama", "weights": "f32"},
     "llama-f16": {"kind": "llama", "weights": "f16"},
     "llama-q8_0": {"kind": "llama", "weights": "q8_0"},
+    "llama-q4_0": {"kind": "llama", "weights": "q4_0"},
+    "llama-q4_K_M": {"kind": "llama", "weights": "q4_K_M"},
     # not in the default set: the issue's other configurations
     "vllm-default-threads": {"kind": "vllm", "weights": "fp32", "default_threads": True},
     "vllm-no-preload": {"kind": "vllm", "weights": "fp32", "no_preload": True},
     "llama-f32-nocache": {"kind": "llama", "weights": "f32", "extra_args": ["--no-cache-prompt"]},
     "llama-bf16": {"kind": "llama", "weights": "bf16"},
     "ours-bf16": {"kind": "ours", "weights": "bf16"},
+    # our weight formats (model/linear.py) beside llama.cpp's of the same bits: int8 vs q8_0, int4 vs q4_0
+    "ours-int8": {"kind": "ours", "weights": "fp32", "quantize": "int8"},
+    "ours-int4": {"kind": "ours", "weights": "fp32", "quantize": "int4"},
 }
 DEFAULT_SERVERS = "ours,vllm,llama-f32,llama-f16,llama-q8_0"
 FP32_SERVERS = ("ours", "vllm", "llama-f32", "vllm-default-threads", "vllm-no-preload", "llama-f32-nocache")
@@ -224,7 +229,7 @@ def server_command(name: str, port: int, threads: int, paths: dict[str, Any]) ->
         return ([paths["python"], "-m", "app", "--checkpoint", str(paths["checkpoint"]), "--host", host,
                  "--port", str(port), "--device", "cpu", "--dtype", spec["weights"], "--max-batch-size", str(SLOTS),
                  "--max-queue", "1000", "--torch-threads", str(threads), "--model-name", MODEL_NAME,
-                 "--log-level", "warning"], {})
+                 "--log-level", "warning"], {"GPT_QUANTIZE": spec.get("quantize", "none")})
     if spec["kind"] == "vllm":
         env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
                # KV cache for SLOTS full contexts, fp32: 2 (k, v) × 12 layers × 768 × 4 B × 1024 × 32 = 2.4 GB
@@ -393,10 +398,21 @@ def setup_convert_venv(peers: Path, torch_version: str) -> dict[str, Any]:
     return {"python": str(py)}
 
 
+# weights convert_hf_to_gguf.py cannot write: llama-quantize makes them from the f32 GGUF
+QUANTIZED_GGUF = ("q4_0", "q4_K_M")
+
+
 def setup_gguf(peers: Path, export_dir: Path, convert_python: str, outtype: str) -> dict[str, Any]:
-    """convert_hf_to_gguf.py --outtype outtype of the exported model (redone when the export is newer)."""
+    """convert_hf_to_gguf.py --outtype outtype of the exported model (redone when the export is newer); q4_0 and
+    q4_K_M through llama-quantize from the f32 file."""
     out = peers / "models" / f"{export_dir.name.removesuffix('-export')}-{outtype}.gguf"
     src = export_dir / "model.safetensors"
+    if outtype in QUANTIZED_GGUF:
+        f32 = Path(setup_gguf(peers, export_dir, convert_python, "f32")["path"])
+        if not (out.is_file() and out.stat().st_mtime >= f32.stat().st_mtime):
+            run_logged([str(llama_binary(peers, "llama-quantize")), str(f32), str(out), outtype],
+                       peers / "logs" / f"quantize-{outtype}.log", 1800)
+        return {"path": str(out), "bytes": out.stat().st_size}
     if not (out.is_file() and out.stat().st_mtime >= src.stat().st_mtime):
         run_logged([convert_python, str(llama_tree(peers) / "convert_hf_to_gguf.py"), str(export_dir),
                     "--outtype", outtype, "--outfile", str(out)], peers / "logs" / f"convert-{outtype}.log", 1800)
@@ -496,7 +512,15 @@ def tree_memory_mb(pid: int) -> dict[str, Any]:
                     pss += int(line.split()[1])
         except OSError:
             continue
-    return {"rss_mb": round(rss / 1024, 1), "pss_mb": round(pss / 1024, 1), "processes": len(pids)}
+    hwm = 0  # peak resident memory of each process (VmHWM), summed: an upper bound of the tree's peak
+    for p in pids:
+        try:
+            hwm += next(int(line.split()[1]) for line in Path(f"/proc/{p}/status").read_text().splitlines()
+                        if line.startswith("VmHWM:"))
+        except (OSError, StopIteration):
+            continue
+    return {"rss_mb": round(rss / 1024, 1), "pss_mb": round(pss / 1024, 1), "peak_rss_mb": round(hwm / 1024, 1),
+            "processes": len(pids)}
 
 
 @dataclass
@@ -754,6 +778,7 @@ def run_server_round(name: str, server: Server, workloads: list[str], args, eq_n
             print(f"  {name:12s} {wl:8s} tok/s {res['tok_s']}  decode {res['decode_tok_s_p50']}  TTFT p50 "
                   f"{res['ttft_ms_p50']} p99 {res['ttft_ms_p99']} ms  errors {res['errors']}  load {res['loadavg']}",
                   flush=True)
+        rec["memory_after"] = tree_memory_mb(server.proc.pid)  # peak_rss_mb: the most it held, workloads included
     except Exception as e:  # noqa: BLE001 - a failed server round is recorded, the others run
         rec["error"] = f"{type(e).__name__}: {e}"
         print(f"  {name}: FAILED: {rec['error'][-500:]}", file=sys.stderr, flush=True)

@@ -117,6 +117,6 @@ EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://localhost:8000/health', timeout=4).status == 200 else 1)"]
 
-# Exec-form CMD: uvicorn is PID 1 and receives SIGTERM itself (graceful shutdown, drains requests).
+# Exec-form CMD: python -m app is PID 1 and receives SIGTERM itself (graceful shutdown, drains requests).
 STOPSIGNAL SIGTERM
 CMD ["python", "-m", "app", "--host", "0.0.0.0", "--port", "8000"]

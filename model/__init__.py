@@ -1,6 +1,7 @@
-"""Pure-PyTorch GPT: config, model, KV cache, sampling, tokenizer, checkpoint I/O.
+"""The network, pure PyTorch: config, model, KV cache layout, the Linear kernels and weight formats (linear,
+quantize), tokenizer, checkpoint I/O, converters and exports.
 
-Nothing here imports `training` or `app`; both of those import this package.
+Nothing here imports `engine`, `training` or `app` (tests/test_layers.py); they import this package.
 """
 
 from model.config import GPTConfig

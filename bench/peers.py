@@ -229,7 +229,7 @@ def server_command(name: str, port: int, threads: int, paths: dict[str, Any]) ->
         return ([paths["python"], "-m", "app", "--checkpoint", str(paths["checkpoint"]), "--host", host,
                  "--port", str(port), "--device", "cpu", "--dtype", spec["weights"], "--max-batch-size", str(SLOTS),
                  "--max-queue", "1000", "--torch-threads", str(threads), "--model-name", MODEL_NAME,
-                 "--log-level", "warning"], {"GPT_QUANTIZE": spec.get("quantize", "none")})
+                 "--log-level", "warning", *(["--quantize", spec["quantize"]] if "quantize" in spec else [])], {})
     if spec["kind"] == "vllm":
         env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
                # KV cache for SLOTS full contexts, fp32: 2 (k, v) × 12 layers × 768 × 4 B × 1024 × 32 = 2.4 GB

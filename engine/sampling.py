@@ -161,6 +161,15 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+def bad_token(ids: Iterable[int], vocab_size: int) -> tuple[int, int] | None:
+    """The first (position, id) of `ids` outside the vocabulary [0, vocab_size), or None: the one token-id range
+    check (prompts, stop_token_ids, logit_bias keys; validation, the core and the sampler)."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            return i, t
+    return None
+
+
 def draw_seed() -> int:
     """A random seed for a request that names none: the one place seeds are drawn (at validation: the
     server's app/validation.py, the library's engine.generate.make_sequences); everything after requires one."""

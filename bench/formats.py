@@ -1,0 +1,139 @@
+"""Weight formats side by side, in-process: speed, memory and quality of what `GPT_QUANTIZE` / `GPT_DTYPE` serve.
+
+    python -m bench.formats [--formats fp32,bf16,int8,int4] [--batches 1,16,64] [--rounds 3] [--out formats]
+
+Speed: the engine core built as the server builds it (`engine.core_process.build_core`: prepacked / quantized
+weights, the warm-up, 32 slots) on the random GPT-2 124M of bench/common.py; per format, the median time of a
+decode step at each batch (every slot decoding greedily, `--new-tokens` steps after the prompts) and of a
+512-token prefill. Formats are interleaved round by round (a loaded machine hits all alike) and each round runs in
+a fresh process, so the allocator and the kernels' caches start equal. Memory: the weights' bytes as served
+(`model.linear.weight_bytes`). Quality: bits per byte of the bundled model (checkpoints/shakespeare) on the held-out
+last 10% of tinyshakespeare (`training.evaluate` with the format), the same text llama.cpp's formats are scored on
+in bench/quality.py. Writes bench/results/<out>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO, env_info, median, random_gpt2, write_result
+
+FORMATS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "int8": ("fp32", "int8"), "int4": ("fp32", "int4")}
+SHAKESPEARE = Path(REPO).parent / "shared" / "data" / "tinyshakespeare.txt"
+VAL_BYTES = 111540  # the last 10% of tinyshakespeare: the bundled model's held-out split
+
+
+def one_round(fmt: str, batches: list[int], new_tokens: int, threads: int | None) -> dict[str, Any]:
+    """In this process: build the core for `fmt`, time decode steps and a long prefill."""
+    import torch
+
+    from engine.core_process import CoreConfig, build_core
+    from engine.request import EngineRequest
+    from engine.sampling import SamplingParams
+
+    dtype, quantize = FORMATS[fmt]
+    _, ck = random_gpt2()
+    cfg = CoreConfig(checkpoint=str(ck), device="cpu", dtype=dtype, quantize=quantize, max_batch_size=max(batches),
+                     torch_threads=threads, prefix_cache=False)
+    core, info, _ = build_core(cfg)
+    core.warmup()
+    out: dict[str, Any] = {"weight_bytes": info["weight_bytes"], "kernels": info.get("kernels"), "decode_ms": {}}
+    g = torch.Generator().manual_seed(0)
+    for b in batches:
+        for i in range(b):
+            prompt = torch.randint(0, 50257, (32,), generator=g).tolist()
+            core.add(EngineRequest(f"{b}-{i}", prompt, SamplingParams(max_new_tokens=new_tokens, temperature=0),
+                                   seed=i))
+        times = []
+        while core.has_work():
+            t0 = time.perf_counter()
+            outs = core.step()
+            dt = time.perf_counter() - t0
+            if core.stats()["running"] == b and outs and all(o.token_ids for o in outs) and len(outs) == b:
+                times.append(dt)
+        out["decode_ms"][str(b)] = round(1000 * median(times[2:] or times), 2)
+    prompt = torch.randint(0, 50257, (512,), generator=g).tolist()
+    ttft = []
+    for i in range(3):
+        core.add(EngineRequest(f"long-{i}", prompt[i:] + prompt[:i], SamplingParams(max_new_tokens=1), seed=0))
+        t0 = time.perf_counter()
+        while core.has_work():
+            core.step()
+        ttft.append(time.perf_counter() - t0)
+    out["prefill512_ms"] = round(1000 * median(ttft), 1)
+    return out
+
+
+def quality(fmt: str) -> dict[str, Any]:
+    """Bits per byte of the bundled model in this format on the held-out split."""
+    import tempfile
+
+    from training.evaluate import evaluate
+
+    dtype, quantize = FORMATS[fmt]
+    with tempfile.TemporaryDirectory() as d:
+        val = Path(d) / "val.txt"
+        data = SHAKESPEARE.read_bytes()
+        val.write_bytes(data[-VAL_BYTES:])
+        r = evaluate(str(REPO / "checkpoints" / "shakespeare"), [str(val)], device="cpu", quantize=quantize,
+                     dtype=dtype)
+    return {"bits_per_byte": r["bits_per_byte"], "perplexity": r["perplexity"], "seconds": r["seconds"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.formats", description=__doc__.split("\n\n")[0])
+    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-quality", action="store_true")
+    p.add_argument("--out", default="formats")
+    p.add_argument("--one-round", help=argparse.SUPPRESS)  # internal: one format's round in a fresh process
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.one_round:
+        print(json.dumps(one_round(args.one_round, batches, args.new_tokens, args.threads)))
+        return 0
+    fmts = args.formats.split(",")
+    random_gpt2()  # built once, before any timing
+    rounds: dict[str, list] = {f: [] for f in fmts}
+    for r in range(args.rounds):
+        for f in (fmts if r % 2 == 0 else fmts[::-1]):
+            cmd = [sys.executable, "-m", "bench.formats", "--one-round", f, "--batches", args.batches,
+                   "--new-tokens", str(args.new_tokens)] + (["--threads", str(args.threads)] if args.threads else [])
+            res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
+            rounds[f].append(json.loads(res.stdout.strip().splitlines()[-1]))
+            print(f"round {r} {f}: {rounds[f][-1]['decode_ms']} prefill512 {rounds[f][-1]['prefill512_ms']} ms",
+                  flush=True)
+    results: dict[str, Any] = {}
+    for f in fmts:
+        rs = rounds[f]
+        results[f] = {"weight_bytes": rs[0]["weight_bytes"], "kernels": rs[0]["kernels"],
+                      "decode_ms": {b: median([x["decode_ms"][b] for x in rs]) for b in rs[0]["decode_ms"]},
+                      "prefill512_ms": median([x["prefill512_ms"] for x in rs]), "rounds": rs}
+        results[f]["decode_tok_s"] = {b: round(int(b) * 1000 / ms, 1) for b, ms in results[f]["decode_ms"].items()}
+        if not args.no_quality:
+            results[f]["quality"] = quality(f)
+    base = results.get("fp32")
+    if base:
+        for r in results.values():
+            r["speed_vs_fp32"] = {b: round(base["decode_ms"][b] / ms, 3) for b, ms in r["decode_ms"].items()}
+            if "quality" in r:
+                q0 = base["quality"]["bits_per_byte"]
+                r["quality"]["delta_vs_fp32_pct"] = round(100 * (r["quality"]["bits_per_byte"] - q0) / q0, 4)
+    data = {"env": env_info(), "model": "random GPT-2 124M (speed); checkpoints/shakespeare (quality)",
+            "batches": batches, "new_tokens": args.new_tokens, "rounds": args.rounds, "formats": results}
+    print(json.dumps({f: {k: v for k, v in r.items() if k != "rounds"} for f, r in results.items()}, indent=1))
+    print(f"wrote {write_result(args.out, data)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

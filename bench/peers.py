@@ -226,8 +226,9 @@ def server_command(name: str, port: int, threads: int, paths: dict[str, Any]) ->
     spec = SERVERS[name]
     host = "127.0.0.1"
     if spec["kind"] == "ours":
+        slots = [] if paths.get("ours_default_slots") else ["--max-batch-size", str(SLOTS)]
         return ([paths["python"], "-m", "app", "--checkpoint", str(paths["checkpoint"]), "--host", host,
-                 "--port", str(port), "--device", "cpu", "--dtype", spec["weights"], "--max-batch-size", str(SLOTS),
+                 "--port", str(port), "--device", "cpu", "--dtype", spec["weights"], *slots,
                  "--max-queue", "1000", "--torch-threads", str(threads), "--model-name", MODEL_NAME,
                  "--log-level", "warning", *(["--quantize", spec["quantize"]] if "quantize" in spec else [])], {})
     if spec["kind"] == "vllm":
@@ -894,6 +895,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout-s", type=float, default=300.0, help="per-request client limit")
     ap.add_argument("--workload-budget-s", type=float, default=120.0, help="no new request after this per workload")
     ap.add_argument("--out", default="peers", help="result name: bench/results/<out>.json")
+    ap.add_argument("--ours-default-slots", action="store_true",
+                    help="our servers size their KV cache themselves (GPT_KV_CACHE_MEMORY's default budget) instead "
+                         f"of --max-batch-size {SLOTS}: a model too large for {SLOTS} full-length slots")
     args = ap.parse_args(argv)
     servers = parse_list(args.servers, SERVERS, "servers")
     workloads = parse_list(args.workloads, WORKLOADS, "workloads")
@@ -908,6 +912,7 @@ def main(argv: list[str] | None = None) -> int:
     args.peers_dir.mkdir(parents=True, exist_ok=True)
     t_setup = time.monotonic()
     setup, paths, unavailable = setup_peers(servers, checkpoint, args.peers_dir, args.torch_version, args.jobs)
+    paths["ours_default_slots"] = args.ours_default_slots
     setup_s = round(time.monotonic() - t_setup, 1)
     if args.setup_only:
         print(json.dumps({"setup": setup, "unavailable": unavailable, "seconds": setup_s}, indent=2))

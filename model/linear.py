@@ -420,6 +420,30 @@ def _mkl_over_onednn(m: PackedLinear, repeats: int) -> float:
     return sorted(ratios)[len(ratios) // 2]
 
 
+@torch.inference_mode()
+def time_dtypes(in_features: int, out_features: int, rows: tuple[int, ...] = (1, 16), repeats: int = 5) -> dict:
+    """ms of one (rows × in) @ (in × out) matmul through oneDNN's packed weight in fp32 and in bf16, per row count
+    (interleaved, medians): the measurement behind the server's `--dtype auto` on a CPU."""
+    lin = nn.Linear(in_features, out_features)
+    mods = {"fp32": PackedLinear(lin), "bf16": PackedLinear(lin.to(torch.bfloat16))}
+    calls = max(2, min(50, int(2e7 // (in_features * out_features))))
+    out: dict[str, dict[int, float]] = {name: {} for name in mods}
+    for r in rows:
+        xs = {name: torch.randn(r, in_features).to(m.dtype) for name, m in mods.items()}
+        samples: dict[str, list[float]] = {name: [] for name in mods}
+        for name, m in mods.items():  # first calls create the primitives
+            m(xs[name])
+        for _ in range(repeats):
+            for name, m in mods.items():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    m(xs[name])
+                samples[name].append((time.perf_counter() - t0) / calls * 1000)
+        for name, s in samples.items():
+            out[name][r] = sorted(s)[len(s) // 2]
+    return out
+
+
 def _unpack_column_major(m: PackedLinear) -> torch.Tensor:
     """The plain weight back from oneDNN's packed copy (x = I through the matmul), stored column-major."""
     eye = torch.eye(m.in_features, dtype=m.dtype)

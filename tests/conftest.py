@@ -16,6 +16,10 @@ if SHARED_TIKTOKEN.is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_TIKTOKEN))
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# servers started by the tests (in-process and `python -m app` subprocesses, which inherit this) compute in fp32:
+# their outputs are compared with fp32 references. `--dtype auto` may pick bf16 on a CPU that has it
+# (engine.core_process.serving_dtype, tested with fakes in tests/test_sizing.py)
+os.environ.setdefault("GPT_DTYPE", "fp32")
 
 
 def write_byte_ranks(path: Path, merges: list[bytes] = ()) -> Path:

@@ -83,3 +83,24 @@ def test_bad_format_settings_are_one_line_errors():
         load_settings(quantize="int3")
     with pytest.raises(SettingsError, match="kv_cache_memory.*bytes"):
         load_settings(kv_cache_memory="plenty")
+
+
+def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(monkeypatch):
+    import engine.core_process as cp
+    import model.device
+    import model.linear
+
+    ckpt = str(Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare")
+    fast = {"fp32": {1: 2.0, 16: 4.0}, "bf16": {1: 1.0, 16: 2.0}}
+    slow = {"fp32": {1: 2.0, 16: 4.0}, "bf16": {1: 1.9, 16: 2.0}}  # not 1.15x faster at one row
+    timed = []
+    for flags, times, want in [(set(), fast, torch.float32), ({"avx2", "avx512_bf16"}, fast, torch.bfloat16),
+                               ({"amx_bf16"}, slow, torch.float32)]:
+        monkeypatch.setattr(cp, "_DTYPE_CHOICES", {})
+        monkeypatch.setattr(model.device, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(model.linear, "time_dtypes", lambda i, o, t=times: timed.append((i, o)) or t)
+        dtype, why = cp.serving_dtype(CoreConfig(checkpoint=ckpt), CPU, torch.float32)
+        assert dtype == want and why["picked"] == {torch.float32: "fp32", torch.bfloat16: "bf16"}[want]
+    assert timed == [(256, 1024), (256, 1024)]  # the bundled model's widest matmul; never without the flags
+    for cfg in (CoreConfig(checkpoint=ckpt, dtype="fp32"), CoreConfig(checkpoint=ckpt, quantize="int8")):
+        assert cp.serving_dtype(cfg, CPU, torch.float32) == (torch.float32, None)  # asked for, or quantized

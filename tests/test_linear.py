@@ -63,7 +63,7 @@ def test_tune_keeps_a_column_major_copy_only_where_mkl_is_chosen(monkeypatch):
     model = small_gpt()
     L.convert(model, "none")
     layers = [m for m in model.modules() if isinstance(m, L.PackedLinear)]
-    assert len(layers) == 8 and all(m.column_major is None for m in layers)
+    assert len(layers) == 9 and all(m.column_major is None for m in layers)  # 8 block Linears and the head
     before = L.weight_bytes(model)
     monkeypatch.setenv("GPT_SMALL_LINEAR", "onednn")
     assert set(L.tune(model).values()) == {"onednn"}
@@ -158,5 +158,5 @@ def test_weight_bytes_counts_one_copy():
     plain = L.weight_bytes(model)
     assert plain == sum(p.numel() * 4 for p in model.parameters())
     if L.ONEDNN_LINEAR is not None:
-        L.convert(model, "none")
-        assert L.weight_bytes(model) == plain  # the packed copy replaces the plain one
+        L.convert(model, "none")  # each packed copy replaces its plain weight; the tied head gets one of its own
+        assert L.weight_bytes(model) == plain + model.transformer.wte.weight.numel() * 4

@@ -13,11 +13,9 @@ The sampling state of every slot lives on the model's device (`engine.sampling.S
 token is a function of (seed, position, token id), so a seeded or greedy request gives the same tokens alone or
 batched.
 
-Prompt log-probabilities (`EngineRequest.prompt_logprobs`) are computed during prefill, chunk by chunk: the chunk's
-final hidden states go through the output head a piece of rows at a time (`PROMPT_LOGPROBS_PIECE` logits at
-most), so no prompt × vocabulary tensor ever exists (vLLM #5907 and #38830 are out-of-memory reports of that).
-Each piece leaves only the token's log-probability, its rank and the top-n alternatives on the device; they
-are read back once, with the request's first output.
+Prompt log-probabilities (`EngineRequest.prompt_logprobs`) are computed during prefill, chunk by chunk, from the
+chunk's final hidden states, and read back once, with the request's first output (engine/prompt_logprobs.py,
+`PromptScorer`).
 
 Structured output (engine/structured_output.py): a request with a grammar (`EngineRequest.structured`; the core
 needs the `tokenizer` then) gets a matcher when it is added. In a step where some sampled request has one, the
@@ -34,7 +32,8 @@ import time
 
 import torch
 
-from engine.request import EngineRequest, ErrorKind, PromptLogprobs, RequestOutput, check_context
+from engine.prompt_logprobs import PROMPT_LOGPROBS_PIECE, PromptScorer
+from engine.request import EngineRequest, ErrorKind, RequestOutput, check_context
 from engine.sampling import Sampler, SamplingParams, bad_token
 from engine.scheduler import Scheduler, Step
 from engine.structured_output import Grammars, Matchers
@@ -43,11 +42,6 @@ from model.kv_cache import KVCache, device_index
 from model.linear import DEFAULT_INT4_GROUP, convert, tune, weight_bytes
 
 log = logging.getLogger("engine.core")
-
-# logits computed at once for prompt log-probabilities: 2M (8 MB in fp32; GPT-2's vocabulary in 41-row pieces). A
-# piece's temporaries (the logits, their fp32 copy, logsumexp's, the rank comparison) stay under ~24 MB, inside the
-# 4 MiB-per-slot allowance the server's KV-cache sizing leaves beside the cache at its smallest batch (8 slots)
-PROMPT_LOGPROBS_PIECE = 1 << 21
 
 
 class EngineCore:
@@ -95,8 +89,9 @@ class EngineCore:
         self.generated_tokens = 0
         self.max_batch_seen = 0
         self.vocab_size = vocab_size
-        # prompt log-probabilities computed so far, per request id: (top n, device tensors per chunk piece)
-        self._scores: dict[str, tuple[int, list[tuple]]] = {}
+        # prompt log-probabilities of the requests that asked, from admission to their first output
+        # (the piece size is read from this module when a core is made: tests set a smaller one here)
+        self._scores = PromptScorer(vocab_size, piece=PROMPT_LOGPROBS_PIECE)
 
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
@@ -122,7 +117,7 @@ class EngineCore:
                 self._matchers.drop(request.request_id)
             raise
         if request.prompt_logprobs is not None:
-            self._scores[request.request_id] = (min(request.prompt_logprobs, self.vocab_size), [])
+            self._scores.add(request.request_id, request.prompt_logprobs)
 
     @property
     def matchers(self) -> Matchers:
@@ -135,7 +130,7 @@ class EngineCore:
     def abort(self, request_ids) -> None:
         self.scheduler.abort(request_ids)
         for rid in request_ids:
-            self._scores.pop(rid, None)
+            self._scores.drop(rid)
             if self._matchers is not None:
                 self._matchers.drop(rid)
 
@@ -157,7 +152,7 @@ class EngineCore:
             for out in outputs:
                 if out.done:
                     self._matchers.drop(out.request_id)
-        return self._attach(outputs)
+        return self._scores.attach(outputs)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -183,7 +178,7 @@ class EngineCore:
             scoring = [i for i, r in enumerate(chunk.reqs) if r.request.prompt_logprobs is not None]
             if scoring:  # the hidden states of every position, through the head in pieces
                 h = self.model.forward_cached(idx, self.cache, slots, hidden=True)
-                self._score_prompt(chunk, h, scoring)
+                self._scores.score(chunk, h, scoring, self.model.head, self.sampler.history)
                 logits = self.model.head(h[:, -1]) if chunk.sampled else None
             else:
                 logits = self.model.forward_cached(idx, self.cache, slots)
@@ -210,51 +205,6 @@ class EngineCore:
         if masks:
             masks.advance(draws)
         return draws
-
-    def _score_prompt(self, chunk, h: torch.Tensor, rows: list[int]) -> None:
-        """Prompt log-probabilities from a chunk's hidden states h (B, n, C): position p predicts prompt token
-        p + 1, so this chunk scores tokens start+1 .. start+n (those inside the prompt)."""
-        V = self.vocab_size
-        piece = max(1, PROMPT_LOGPROBS_PIECE // max(V, 1))
-        for b in rows:
-            r = chunk.reqs[b]
-            m = min(chunk.n, r.prompt_len - 1 - chunk.start)  # predicted tokens that are prompt tokens
-            if m <= 0:
-                continue
-            k, parts = self._scores[r.id]
-            targets = self.sampler.history[r.slot, chunk.start + 1:chunk.start + 1 + m]
-            for p0 in range(0, m, piece):
-                logits = self.model.head(h[b, p0:p0 + piece][: m - p0]).float()[:, :V]
-                lse = torch.logsumexp(logits, -1)
-                target = logits.gather(1, targets[p0:p0 + piece, None])  # (P, 1)
-                rank = (logits > target).sum(-1) + 1
-                lp = target[:, 0] - lse
-                if k:
-                    vals, ids = logits.topk(k, -1)
-                    parts.append((lp, rank, ids, vals - lse[:, None]))
-                else:
-                    parts.append((lp, rank, None, None))
-
-    def _attach(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Hand each request's prompt log-probabilities to its first output (one read-back); drop those of
-        requests that ended with an error."""
-        if not self._scores:
-            return outputs
-        for out in outputs:
-            entry = self._scores.pop(out.request_id, None)
-            if entry is None or out.error is not None:
-                continue
-            k, parts = entry
-            table = []
-            if parts:
-                cols = [torch.cat([p[i] for p in parts]).double()[:, None] for i in (0, 1)]
-                if k:
-                    cols += [torch.cat([p[3] for p in parts]).double(), torch.cat([p[2] for p in parts]).double()]
-                table = torch.cat(cols, 1).tolist()  # the one device→host copy
-            out.prompt_logprobs = PromptLogprobs(
-                [None] + [row[0] for row in table], [None] + [int(row[1]) for row in table],
-                [[]] + [[(int(i), v) for v, i in zip(row[2:2 + k], row[2 + k:])] for row in table] if k else None)
-        return outputs
 
     def _apply(self, ops) -> None:
         for op in ops:

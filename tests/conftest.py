@@ -1,15 +1,17 @@
-"""Shared fixtures: small models, a byte-level tokenizer, and the offline GPT-2 tokenizer cache."""
+"""Shared fixtures: a byte-level tokenizer, the offline GPT-2 tokenizer cache, a tiny checkpoint, one torch thread.
+Plain helpers (functions, constants) live in tests/helpers.py and tests/app_helpers.py; tests import those, never
+this file or another test module."""
 
 from __future__ import annotations
 
-import base64
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import BLOCK, REPO, tiny_model, write_byte_ranks
+
 SHARED_TIKTOKEN = REPO.parent / "shared" / "tiktoken"
 # tiktoken downloads GPT-2's ranks on first use; CI and dev machines have no network but a ready cache
 if SHARED_TIKTOKEN.is_dir():
@@ -20,13 +22,6 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # their outputs are compared with fp32 references. `--dtype auto` may pick bf16 on a CPU that has it
 # (engine.core_process.serving_dtype, tested with fakes in tests/test_sizing.py)
 os.environ.setdefault("GPT_DTYPE", "fp32")
-
-
-def write_byte_ranks(path: Path, merges: list[bytes] = ()) -> Path:
-    """A valid .tiktoken ranks file: the 256 bytes plus the given merged tokens."""
-    tokens = [bytes([i]) for i in range(256)] + list(merges)
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens)))
-    return path
 
 
 @pytest.fixture
@@ -46,9 +41,25 @@ def gpt2_tokenizer():
         pytest.skip(f"GPT-2 ranks unavailable offline: {e}")
 
 
-def tiny_model(seed: int = 0, **overrides):
-    from model.config import GPTConfig
-    from model.gpt import GPT
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The test model is tiny: one intra-op thread is fastest, and far faster on a busy shared machine
+    (OpenMP threads spin while they wait for cores). A module asks for it with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
-    torch.manual_seed(seed)
-    return GPT(GPTConfig.preset("tiny", **overrides)).eval()
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """A 2-layer byte-level GPT (vocab 261, context 128) saved as a real checkpoint."""
+    from model.checkpoint import save_checkpoint
+    from model.tokenizer import Tokenizer
+
+    d = tmp_path_factory.mktemp("ckpt")
+    ranks = write_byte_ranks(d / "bytes.tiktoken", [b"th", b"he", b" t", b"the"])
+    tok = Tokenizer.from_ranks_file(ranks)
+    model = tiny_model(0, vocab_size=tok.vocab_size, block_size=BLOCK)
+    return save_checkpoint(d / "tiny", model, tok, {"note": "app tests"}, tokenizer_file=ranks)

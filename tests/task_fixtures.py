@@ -17,7 +17,7 @@ from model.config import GPTConfig
 from model.gpt import GPT
 from model.task_head import Task, add_task_tokens
 from model.tokenizer import Tokenizer
-from tests.conftest import write_byte_ranks
+from tests.helpers import write_byte_ranks
 
 DEFAULT_LABELS = ("negative", "positive")
 

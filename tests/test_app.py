@@ -10,19 +10,10 @@ import time
 import pytest
 import torch
 
-from tests.test_app_support import (  # noqa: F401
-    BLOCK,
-    app_client,
-    make_app,
-    one_torch_thread,
-    reference_generate,
-    slow_model,
-    sse_events,
-    tiny_ckpt,
-    wait_ready,
-)
+from tests.app_helpers import app_client, make_app, reference_generate, slow_model, sse_events, wait_ready
+from tests.helpers import BLOCK
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
 
 METRIC_NAMES = ["gpt_requests_total", "gpt_prompt_tokens_total", "gpt_generated_tokens_total", "gpt_queue_size",
                 "gpt_batch_size", "gpt_queue_time_seconds", "gpt_time_to_first_token_seconds",
@@ -30,7 +21,7 @@ METRIC_NAMES = ["gpt_requests_total", "gpt_prompt_tokens_total", "gpt_generated_
 
 
 @pytest.fixture(scope="module")
-def client(tiny_ckpt):  # noqa: F811
+def client(tiny_ckpt):
     with app_client(tiny_ckpt) as c:
         yield c
 
@@ -70,7 +61,7 @@ def assert_error(r, status: int | None = None, field: str | None = None, error_t
 
 
 # ------------------------------------------------------------------------------------------- operations
-def test_health_info_models_metrics(client, tiny_ckpt):  # noqa: F811
+def test_health_info_models_metrics(client, tiny_ckpt):
     assert client.get("/health").json() == {"status": "ready"}
     info = client.get("/info").json()
     assert info["checkpoint"] == str(tiny_ckpt) and info["metadata"]["note"] == "app tests"
@@ -88,7 +79,7 @@ def test_health_info_models_metrics(client, tiny_ckpt):  # noqa: F811
     assert spec["paths"]["/generate"]["post"]["requestBody"] and "TGIParameters" in spec["components"]["schemas"]
 
 
-def test_index_and_static(client, tiny_ckpt, tmp_path, monkeypatch):  # noqa: F811
+def test_index_and_static(client, tiny_ckpt, tmp_path, monkeypatch):
     import app.routes.ops as ops_routes
 
     r = client.get("/")
@@ -109,7 +100,7 @@ def test_unknown_route_and_method_are_json(client):
 
 
 # ------------------------------------------------------------------------------------------- TGI routes
-def test_generate_greedy_equals_reference_on_every_route(client, tiny_ckpt):  # noqa: F811
+def test_generate_greedy_equals_reference_on_every_route(client, tiny_ckpt):
     ref = reference_generate(tiny_ckpt, "hello", max_new_tokens=12, temperature=0)
     body = {"inputs": "hello", "parameters": {"max_new_tokens": 12, "details": True}}
     for route in ("/generate", "/"):
@@ -129,7 +120,7 @@ def test_generate_greedy_equals_reference_on_every_route(client, tiny_ckpt):  # 
 
 
 @pytest.mark.parametrize("route,body_stream", [("/generate_stream", None), ("/generate", True), ("/", True)])
-def test_tgi_stream_format(client, tiny_ckpt, route, body_stream):  # noqa: F811
+def test_tgi_stream_format(client, tiny_ckpt, route, body_stream):
     ref = reference_generate(tiny_ckpt, "abc", max_new_tokens=6, temperature=0.8, seed=7)
     body = {"inputs": "abc", "parameters": {"max_new_tokens": 6, "temperature": 0.8, "seed": 7, "details": True}}
     if body_stream is not None:
@@ -155,7 +146,7 @@ def test_stream_without_details_has_no_details(client):
     assert events[-1]["details"] is None and isinstance(events[-1]["generated_text"], str)
 
 
-def test_tgi_sampling_rules(client, tiny_ckpt):  # noqa: F811
+def test_tgi_sampling_rules(client, tiny_ckpt):
     def gen(**params):
         return client.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 16, "details": True,
                                                                              **params}}).json()
@@ -214,7 +205,7 @@ def test_context_limits(client):
 
 
 # ------------------------------------------------------------------------------------------- OpenAI
-def test_completions(client, tiny_ckpt):  # noqa: F811
+def test_completions(client, tiny_ckpt):
     ref = reference_generate(tiny_ckpt, "hello", max_new_tokens=8, temperature=0)
     r = client.post("/v1/completions", json={"model": "whatever", "prompt": "hello", "max_tokens": 8,
                                              "temperature": 0, "logprobs": 2})
@@ -242,7 +233,7 @@ def test_completions(client, tiny_ckpt):  # noqa: F811
     assert seeded[0]["choices"][0]["text"] == seeded[1]["choices"][0]["text"]
 
 
-def test_completions_stream(client, tiny_ckpt):  # noqa: F811
+def test_completions_stream(client, tiny_ckpt):
     ref = reference_generate(tiny_ckpt, "hello", max_new_tokens=5, temperature=0)
     r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5, "temperature": 0, "stream": True,
                                              "logprobs": 1, "stream_options": {"include_usage": True}})
@@ -271,7 +262,7 @@ def reference_prompt_logprobs(ckpt, prompt_ids: list[int]) -> list[float]:
     return [lsm[i - 1, t].item() for i, t in enumerate(prompt_ids) if i]
 
 
-def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, tiny_ckpt):  # noqa: F811
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, tiny_ckpt):
     ids = client.post("/tokenize", json={"prompt": SCORED, "add_special_tokens": False}).json()["tokens"]
     assert len(ids) > 32  # the server's prefill chunk
     expected = reference_prompt_logprobs(tiny_ckpt, ids)
@@ -316,7 +307,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, tiny_c
         assert len(best) == 1 and best[0]["logprob"] >= entry[str(ids[i])]["logprob"]
 
 
-def test_echo_logprobs_batched_and_streamed(client, tiny_ckpt):  # noqa: F811
+def test_echo_logprobs_batched_and_streamed(client, tiny_ckpt):
     ids = client.post("/tokenize", json={"prompt": SCORED}).json()["tokens"]
     expected = reference_prompt_logprobs(tiny_ckpt, ids)
     short = client.post("/tokenize", json={"prompt": "hello there"}).json()["tokens"]
@@ -351,7 +342,7 @@ def test_echo_logprobs_batched_and_streamed(client, tiny_ckpt):  # noqa: F811
     assert events[0]["choices"][0]["text"] == "hello there"
 
 
-def test_tgi_decoder_input_details_fills_prefill(client, tiny_ckpt):  # noqa: F811
+def test_tgi_decoder_input_details_fills_prefill(client, tiny_ckpt):
     ids = client.post("/tokenize", json={"prompt": SCORED}).json()["tokens"]
     expected = reference_prompt_logprobs(tiny_ckpt, ids)
     for route in ("/generate", "/"):
@@ -379,7 +370,7 @@ def test_tokenizer_info_and_tokenize_as_lm_eval_checks_them(client):
     assert same == client.post("/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()["tokens"]
 
 
-def test_logit_bias_min_tokens_stop_token_ids_over_http(client, tiny_ckpt):  # noqa: F811
+def test_logit_bias_min_tokens_stop_token_ids_over_http(client, tiny_ckpt):
     ref = reference_generate(tiny_ckpt, "hello", max_new_tokens=6, temperature=0, stop_at_eos=False)
     banned = ref.tokens[0]
     out = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, "temperature": 0,
@@ -514,7 +505,7 @@ def test_bad_input_is_a_4xx_naming_the_problem(client, route, body, status, fiel
         assert_error(r, status, field)
 
 
-def test_body_size_limit(tiny_ckpt):  # noqa: F811
+def test_body_size_limit(tiny_ckpt):
     with app_client(tiny_ckpt, max_body_bytes=2048) as c:
         assert_error(c.post("/generate", json={"inputs": "a" * 5000}), 413, error_type="payload_too_large")
 
@@ -543,7 +534,7 @@ def test_non_json_content_type_is_415(client, route, content_type):
 
 
 # ------------------------------------------------------------------------------------------- auth, CORS
-def test_api_key_guards_generation_routes_only(tiny_ckpt):  # noqa: F811
+def test_api_key_guards_generation_routes_only(tiny_ckpt):
     with app_client(tiny_ckpt, api_key="s3cret") as c:
         body = {"inputs": "a", "parameters": {"max_new_tokens": 2}}
         for route, payload in [("/generate", body), ("/generate_stream", body), ("/", body),
@@ -558,7 +549,7 @@ def test_api_key_guards_generation_routes_only(tiny_ckpt):  # noqa: F811
         assert c.get("/info").json()["api_key_required"] is True
 
 
-def test_cors(tiny_ckpt, client):  # noqa: F811
+def test_cors(tiny_ckpt, client):
     pre = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
            "Access-Control-Request-Headers": "content-type,authorization"}
     with app_client(tiny_ckpt, cors_origins="https://ui.example,https://other.example") as c:
@@ -573,7 +564,7 @@ def test_cors(tiny_ckpt, client):  # noqa: F811
 
 
 # ------------------------------------------------------------------------------------------- load, time
-def test_admission_takes_slots_plus_queue_then_gives_429(tiny_ckpt):  # noqa: F811
+def test_admission_takes_slots_plus_queue_then_gives_429(tiny_ckpt):
     # a burst on an idle server: slots (2) + queue (2) requests are all served, one more gets 429
     with app_client(tiny_ckpt, max_batch_size=2, max_queue=2) as c:
         engine = engine_of(c)
@@ -596,7 +587,7 @@ def test_admission_takes_slots_plus_queue_then_gives_429(tiny_ckpt):  # noqa: F8
         assert 'gpt_requests_total{finish_reason="rejected",status="429"} 1.0' in c.get("/metrics").text
 
 
-def test_time_limit_ends_with_an_error(tiny_ckpt):  # noqa: F811
+def test_time_limit_ends_with_an_error(tiny_ckpt):
     with app_client(tiny_ckpt, request_timeout_s=0.3) as c:
         engine = engine_of(c)
         engine.pause()  # stuck in the queue
@@ -612,7 +603,7 @@ def test_time_limit_ends_with_an_error(tiny_ckpt):  # noqa: F811
         assert 'gpt_requests_total{finish_reason="timeout",status="504"} 2.0' in c.get("/metrics").text
 
 
-def test_metrics_count_requests_and_tokens(tiny_ckpt):  # noqa: F811
+def test_metrics_count_requests_and_tokens(tiny_ckpt):
     with app_client(tiny_ckpt) as c:
         for _ in range(2):
             c.post("/generate", json={"inputs": "hey", "parameters": {"max_new_tokens": 4}})
@@ -628,7 +619,7 @@ def test_metrics_count_requests_and_tokens(tiny_ckpt):  # noqa: F811
         assert "gpt_queue_size 0.0" in text and "gpt_batch_size 0.0" in text
 
 
-def test_a_next_turn_reuses_the_cached_prefix_and_says_so(tiny_ckpt):  # noqa: F811
+def test_a_next_turn_reuses_the_cached_prefix_and_says_so(tiny_ckpt):
     """Prefix caching through the API: usage reports the reused tokens, the metrics count them exactly, and the
     text (stop strings included) is what a server without the cache gives."""
     turn1 = "ROMEO: But soft, what light through yonder window breaks? "
@@ -657,7 +648,7 @@ def test_a_next_turn_reuses_the_cached_prefix_and_says_so(tiny_ckpt):  # noqa: F
             assert a["choices"][0]["logprobs"]["tokens"] == b["choices"][0]["logprobs"]["tokens"]
 
 
-def test_health_is_503_while_warming_up_and_requests_wait(tiny_ckpt, monkeypatch):  # noqa: F811
+def test_health_is_503_while_warming_up_and_requests_wait(tiny_ckpt, monkeypatch):
     from fastapi.testclient import TestClient
 
     from engine.core import EngineCore
@@ -688,7 +679,7 @@ def test_health_is_503_while_warming_up_and_requests_wait(tiny_ckpt, monkeypatch
         wait_ready(c.get)
 
 
-def test_draining_refuses_new_work(tiny_ckpt):  # noqa: F811
+def test_draining_refuses_new_work(tiny_ckpt):
     with app_client(tiny_ckpt) as c:
         c.app.state.service.begin_drain()
         r = c.get("/health")
@@ -697,7 +688,7 @@ def test_draining_refuses_new_work(tiny_ckpt):  # noqa: F811
         assert c.get("/info").status_code == 200
 
 
-def test_two_apps_in_one_process_have_separate_metrics(tiny_ckpt):  # noqa: F811
+def test_two_apps_in_one_process_have_separate_metrics(tiny_ckpt):
     with app_client(tiny_ckpt) as a, app_client(tiny_ckpt) as b:
         a.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 2}})
         assert "gpt_generated_tokens_total 2.0" in a.get("/metrics").text
@@ -708,7 +699,7 @@ def test_startup_failure_is_one_line(tmp_path):
     import asyncio
 
     from app.service import Service, StartupError
-    from tests.test_app_support import make_settings
+    from tests.app_helpers import make_settings
 
     bad = tmp_path / "ckpt"
     bad.mkdir()
@@ -743,7 +734,7 @@ def test_settings_env_and_cli(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------- liveness
-def test_live_is_200_when_ready_and_while_draining(tiny_ckpt):  # noqa: F811
+def test_live_is_200_when_ready_and_while_draining(tiny_ckpt):
     with app_client(tiny_ckpt) as c:
         r = c.get("/live")
         assert r.status_code == 200 and r.json() == {"status": "alive"}
@@ -754,7 +745,7 @@ def test_live_is_200_when_ready_and_while_draining(tiny_ckpt):  # noqa: F811
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread we end
-def test_live_is_503_when_the_engine_thread_died(tiny_ckpt):  # noqa: F811
+def test_live_is_503_when_the_engine_thread_died(tiny_ckpt):
     with app_client(tiny_ckpt) as c:
         engine = engine_of(c)
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_model, write_byte_ranks
-from tests.test_app_support import app_client, one_torch_thread, sse_events  # noqa: F401
+from tests.app_helpers import app_client, sse_events
+from tests.helpers import tiny_model, write_byte_ranks
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "checkpoints" / "shakespeare"
 

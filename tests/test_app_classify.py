@@ -7,10 +7,10 @@ import pytest
 
 from model.checkpoint import load_checkpoint
 from model.task_head import load_task
+from tests.app_helpers import app_client
 from tests.task_fixtures import write_task_checkpoint
-from tests.test_app_support import app_client, one_torch_thread, tiny_ckpt  # noqa: F401
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
 
 
 def test_classify_answers_with_the_task_head(tmp_path):
@@ -42,7 +42,7 @@ def test_classify_pairs_and_choices(tmp_path):
         assert {x["label"] for x in r} == {"0", "1", "2"} and sum(x["score"] for x in r) == pytest.approx(1, abs=1e-5)
 
 
-def test_classify_without_a_head_is_404(tiny_ckpt):  # noqa: F811
+def test_classify_without_a_head_is_404(tiny_ckpt):
     with app_client(tiny_ckpt) as c:
         r = c.post("/classify", json={"inputs": "hello"})
         assert r.status_code == 404
@@ -53,7 +53,7 @@ def test_corrupt_task_file_refused_at_startup(tmp_path):
     import asyncio
 
     from app.service import Service, StartupError
-    from tests.test_app_support import make_settings
+    from tests.app_helpers import make_settings
 
     ckpt = write_task_checkpoint(tmp_path / "bad")
     (ckpt / "task.json").write_text("{broken")

@@ -16,15 +16,9 @@ import pydantic
 import pytest
 
 from engine.stopping import FinishReason
-from tests.test_app_support import (  # noqa: F401
-    LiveServer,
-    make_app,
-    one_torch_thread,
-    reference_generate,
-    tiny_ckpt,
-)
+from tests.app_helpers import LiveServer, make_app, reference_generate
 
-pytestmark = [pytest.mark.timeout(90),
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(90),
               # text_generation 0.7.0 calls pydantic's deprecated .dict(): its warning, not ours
               pytest.mark.filterwarnings("ignore:The `dict` method is deprecated:DeprecationWarning")]
 
@@ -33,7 +27,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def live(tiny_ckpt):  # noqa: F811
+def live(tiny_ckpt):
     with LiveServer(make_app(tiny_ckpt, max_batch_size=8, max_queue=32)) as server:
         yield server
 

@@ -11,38 +11,29 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.test_app_support import (  # noqa: F401
+from tests.app_helpers import (
     LiveServer,
     free_port,
     make_app,
-    one_torch_thread,
     reference_generate,
     slow_model,
     sse_events,
-    tiny_ckpt,
+    start_app_process,
+    wait_until,
 )
+from tests.helpers import REPO
 
-pytestmark = pytest.mark.timeout(90)
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")
-def live(tiny_ckpt):  # noqa: F811
+def live(tiny_ckpt):
     with LiveServer(make_app(tiny_ckpt, max_batch_size=8, max_queue=32)) as server:
         yield server
-
-
-def wait_until(cond, timeout=5.0, step=0.005) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, "condition not reached"
-        time.sleep(step)
-    return time.monotonic() - t0
 
 
 BODIES = [
@@ -184,7 +175,7 @@ def test_huggingface_inference_client(live):
     assert type(e.value).__name__ == "ValidationError" and "parameters.top_k" in str(e.value)
 
 
-def test_sigterm_drains_in_flight_requests(tiny_ckpt):  # noqa: F811
+def test_sigterm_drains_in_flight_requests(tiny_ckpt):
     from app.__main__ import DrainingServer
 
     app = make_app(tiny_ckpt, shutdown_timeout_s=10)
@@ -213,7 +204,7 @@ def test_sigterm_drains_in_flight_requests(tiny_ckpt):  # noqa: F811
         assert not s.thread.is_alive()  # and then the server stopped by itself
 
 
-def test_drain_timeout_ends_each_open_stream_with_an_error_event(tiny_ckpt, caplog):  # noqa: F811
+def test_drain_timeout_ends_each_open_stream_with_an_error_event(tiny_ckpt, caplog):
     """Past GPT_SHUTDOWN_TIMEOUT_S the drain ends what still runs: every open stream gets a final error event in
     its API's shape (OpenAI streams then `[DONE]`), closes cleanly, and nothing logs a traceback."""
     from app.__main__ import DrainingServer
@@ -277,32 +268,7 @@ def test_uvicorn_app_main_fails_in_lifespan_with_a_clear_line(tmp_path):
     assert any("cannot load checkpoint" in line and "bogus" in line for line in p.stderr.splitlines()), p.stderr
 
 
-def start_app_process(ckpt: Path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """`python -m app` on a free port, waited for until /health is 200."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "app", "--checkpoint", str(ckpt), "--port", str(port),
-                             "--host", "127.0.0.1", "--device", "cpu", "--torch-threads", "1", *flags],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        assert proc.poll() is None, proc.stderr.read()
-        try:
-            return httpx.get(url + "/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(up, timeout=60, step=0.1)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return proc, url
-
-
-def test_python_m_app_serves_matches_model_sample_and_exits_0_on_sigterm(tiny_ckpt):  # noqa: F811
+def test_python_m_app_serves_matches_model_sample_and_exits_0_on_sigterm(tiny_ckpt):
     proc, url = start_app_process(tiny_ckpt)
     try:
         text = httpx.post(url + "/generate", json={"inputs": "To be", "parameters": {"max_new_tokens": 20,
@@ -319,7 +285,7 @@ def test_python_m_app_serves_matches_model_sample_and_exits_0_on_sigterm(tiny_ck
             proc.wait()
 
 
-def test_second_sigterm_exits_at_once_with_status_0(tiny_ckpt):  # noqa: F811
+def test_second_sigterm_exits_at_once_with_status_0(tiny_ckpt):
     """A second signal during the drain exits at once, status 0, with a log line (was SIGABRT: 'terminate
     called without an active exception' while the engine thread was inside torch)."""
     import glob

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_model, write_byte_ranks
+from tests.helpers import tiny_model, write_byte_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 # Slow enough that a long generation is still running when Stop is clicked (a 2-layer 32-wide model

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 
 @pytest.fixture

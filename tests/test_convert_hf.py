@@ -11,7 +11,7 @@ import torch
 from engine.generate import generate
 from engine.sampling import SamplingParams
 from model.checkpoint import load_checkpoint
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,8 +17,7 @@ import httpx
 import pytest
 
 from engine.core_process import CoreConfig, core_threads, keep_freed_memory
-from tests.test_app_live import start_app_process, wait_until
-from tests.test_app_support import app_client, reference_generate, tiny_ckpt  # noqa: F401
+from tests.app_helpers import app_client, reference_generate, start_app_process, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,7 +41,7 @@ def stop(proc, timeout: float = 20) -> int:
     return proc.wait(timeout)
 
 
-def test_core_process_results_equal_the_library_and_the_thread_mode(tiny_ckpt):  # noqa: F811
+def test_core_process_results_equal_the_library_and_the_thread_mode(tiny_ckpt):
     """Seeded and greedy requests, sent together, give each its solo library result through the core process;
     the thread mode gives the same tokens."""
     before = core_dirs()
@@ -63,7 +62,7 @@ def test_core_process_results_equal_the_library_and_the_thread_mode(tiny_ckpt): 
     assert core_dirs() <= before  # the core's socket directory is gone
 
 
-def test_a_stop_string_in_the_front_aborts_the_request_in_the_core(tiny_ckpt):  # noqa: F811
+def test_a_stop_string_in_the_front_aborts_the_request_in_the_core(tiny_ckpt):
     proc, url = start_app_process(tiny_ckpt)
     try:
         params = {"max_new_tokens": 100, "temperature": 0, "details": True}
@@ -85,7 +84,7 @@ def test_a_stop_string_in_the_front_aborts_the_request_in_the_core(tiny_ckpt):  
         stop(proc)
 
 
-def test_sigkill_of_the_core_ends_every_stream_and_the_server_exits_non_zero(tiny_ckpt):  # noqa: F811
+def test_sigkill_of_the_core_ends_every_stream_and_the_server_exits_non_zero(tiny_ckpt):
     before = core_dirs()
     proc, url = start_app_process(tiny_ckpt, "--max-new-tokens", "127")
     core_pid = httpx.get(url + "/info").json()["engine_pid"]
@@ -137,7 +136,7 @@ def test_sigkill_of_the_core_ends_every_stream_and_the_server_exits_non_zero(tin
     assert core_dirs() <= before
 
 
-def test_two_api_servers_share_one_core_and_metrics_add_up(tiny_ckpt):  # noqa: F811
+def test_two_api_servers_share_one_core_and_metrics_add_up(tiny_ckpt):
     proc, url = start_app_process(tiny_ckpt, "--api-servers", "2")
     try:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -156,7 +155,7 @@ def test_two_api_servers_share_one_core_and_metrics_add_up(tiny_ckpt):  # noqa: 
         assert stop(proc) == 0
 
 
-def test_a_client_disconnect_reaches_the_core_and_frees_the_slot(tiny_ckpt):  # noqa: F811
+def test_a_client_disconnect_reaches_the_core_and_frees_the_slot(tiny_ckpt):
     proc, url = start_app_process(tiny_ckpt, "--max-new-tokens", "127")
     try:
         body = {"inputs": "a", "parameters": {"max_new_tokens": 120, "temperature": 1.0, "seed": 0}}
@@ -169,7 +168,7 @@ def test_a_client_disconnect_reaches_the_core_and_frees_the_slot(tiny_ckpt):  # 
         assert stop(proc) == 0
 
 
-def test_prompt_logprobs_and_biases_cross_the_process_boundary(tiny_ckpt):  # noqa: F811
+def test_prompt_logprobs_and_biases_cross_the_process_boundary(tiny_ckpt):
     """The new request and output fields (prompt log-probabilities, logit_bias with integer keys, min_tokens,
     stop_token_ids) travel through msgspec to the core process and back as in the thread mode."""
     bodies = [
@@ -196,7 +195,7 @@ def test_prompt_logprobs_and_biases_cross_the_process_boundary(tiny_ckpt):  # no
     assert got[1]["choices"][0]["finish_reason"] == "length" and got[3]["details"]["prefill"][1]["logprob"] < 0
 
 
-def test_the_core_uses_every_cpu_by_default_and_the_flag_overrides_it(tiny_ckpt):  # noqa: F811
+def test_the_core_uses_every_cpu_by_default_and_the_flag_overrides_it(tiny_ckpt):
     assert core_threads(CoreConfig(checkpoint="x")) == len(os.sched_getaffinity(0))
     assert core_threads(CoreConfig(checkpoint="x", torch_threads=3)) == 3
     proc, url = start_app_process(tiny_ckpt, "--torch-threads", "2")  # the last flag wins

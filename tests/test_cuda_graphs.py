@@ -16,7 +16,7 @@ from engine.generate import decode_step, prefill
 from engine.request import EngineRequest
 from engine.sampling import SamplingParams
 from model.kv_cache import ContextLengthError, KVCache
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 
 def spy_decode_static(model, calls: list):

@@ -12,7 +12,8 @@ from engine.generate import generate
 from engine.request import EngineRequest, ErrorKind
 from engine.sampling import SamplingParams
 from model.checkpoint import load_checkpoint
-from tests.test_app_support import one_torch_thread, tiny_ckpt  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CASES = [
     ("hello", dict(max_new_tokens=20, temperature=0)),
@@ -25,7 +26,7 @@ CASES = [
 
 
 @pytest.fixture
-def ckpt(tiny_ckpt):  # noqa: F811
+def ckpt(tiny_ckpt):
     return load_checkpoint(tiny_ckpt)
 
 
@@ -299,7 +300,7 @@ def test_a_burst_sharing_a_prefix_prefills_it_once_and_gives_the_fresh_tokens(ck
 
 
 @pytest.mark.parametrize("fmt", ["none", "int8", "int4"])
-def test_each_weight_format_gives_a_seeded_request_the_same_tokens_alone_and_batched(tiny_ckpt, fmt):  # noqa: F811
+def test_each_weight_format_gives_a_seeded_request_the_same_tokens_alone_and_batched(tiny_ckpt, fmt):
     """The server's weight formats (model/linear.py, swapped in by the core): a request decoded in a batch of
     three, prefills and decodes interleaved, gets the tokens it gets alone in a one-slot core."""
     def core(slots: int) -> tuple[EngineCore, object]:

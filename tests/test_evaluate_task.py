@@ -9,7 +9,7 @@ import pytest
 
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.task_head import load_task
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 from tests.task_fixtures import write_jsonl, write_task_checkpoint
 from training.evaluate_task import evaluate_task, format_report, main
 

@@ -21,7 +21,7 @@ from model.export_gguf import export, main
 from model.export_hf import bytes_to_unicode
 from model.gpt import sinusoidal_table
 from model.tokenizer import EOT, GPT2_PATTERN, Tokenizer
-from tests.conftest import REPO, tiny_model, write_byte_ranks
+from tests.helpers import REPO, tiny_model, write_byte_ranks
 
 gguf = pytest.importorskip("gguf")
 

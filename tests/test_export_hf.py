@@ -15,7 +15,7 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.convert_hf import convert, convert_state, hf_config_to_ours, load_hf_state
 from model.export_hf import export, main
 from model.tokenizer import Tokenizer
-from tests.conftest import REPO, tiny_model, write_byte_ranks
+from tests.helpers import REPO, tiny_model, write_byte_ranks
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -19,7 +19,7 @@ from engine.generate import SamplingParams, generate
 from model.checkpoint import TRAINING_STATE, load_checkpoint, save_checkpoint
 from model.task_head import HEAD_FILE, load_task
 from model.tokenizer import Tokenizer
-from tests.conftest import tiny_model, write_byte_ranks
+from tests.helpers import tiny_model, write_byte_ranks
 from tests.task_fixtures import word_task_lines, write_jsonl, write_task_checkpoint
 from training.config import ConfigError, FinetuneConfig, build_config
 from training.task_data import ExampleSampler, TaskDataError, read_task_file

@@ -9,7 +9,7 @@ import torch
 import engine.sampling as sampling
 from engine.sampling import Sampler, SamplingParams
 from model.kv_cache import device_index
-from tests.test_sampling import ALLOWED, PROBS, _packed
+from tests.helpers import ALLOWED, PROBS, packed_bitmask
 
 
 def draws(params: dict, constrained: list[bool], shifts: list[float], steps: int = 4) -> list[tuple[int, float]]:
@@ -18,7 +18,7 @@ def draws(params: dict, constrained: list[bool], shifts: list[float], steps: int
     for i, c in enumerate(constrained):
         s.admit(i, SamplingParams(**params), [0], seed=7 + i, constrained=c)
     n = sum(constrained)
-    bitmask = _packed(ALLOWED.expand(n, V))
+    bitmask = packed_bitmask(ALLOWED.expand(n, V))
     rows = torch.stack([PROBS.log() + torch.where(ALLOWED, shift, 0.0) for shift in shifts])
     out = []
     for _ in range(steps):

@@ -10,9 +10,9 @@ import pytest
 
 from app.errors import ApiError
 from app.guards import MAX_DEPTH, clean, parse_json
-from tests.test_app_support import app_client, one_torch_thread, tiny_ckpt  # noqa: F401
+from tests.app_helpers import app_client
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
 
 
 # ------------------------------------------------------------------------------------------- parse_json
@@ -46,7 +46,7 @@ def test_clean_is_iterative():
 
 # ------------------------------------------------------------------------------------------- over HTTP
 @pytest.fixture(scope="module")
-def client(tiny_ckpt):  # noqa: F811
+def client(tiny_ckpt):
     with app_client(tiny_ckpt, cors_origins="https://ui.example") as c:
         yield c
 
@@ -79,12 +79,12 @@ def _read_response(sock) -> tuple[int, bytes]:
     return int(head.split()[1]), body
 
 
-def test_deep_nesting_keeps_the_keep_alive_connection(tiny_ckpt):  # noqa: F811
+def test_deep_nesting_keeps_the_keep_alive_connection(tiny_ckpt):
     """The old 500 came from a RecursionError that also reset the connection: the next request on the same
     socket must be answered."""
     import socket
 
-    from tests.test_app_support import LiveServer, make_app
+    from tests.app_helpers import LiveServer, make_app
 
     body = b'{"inputs": "a", "stop": ' + b"[" * 958 + b"]" * 958 + b"}"
     with LiveServer(make_app(tiny_ckpt)) as live, socket.create_connection(("127.0.0.1", live.port), 10) as sock:
@@ -126,7 +126,7 @@ def test_cors_refusal_is_json(client, route, openai):
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://ui.example"
 
 
-def test_body_limit_json_on_both_apis(tiny_ckpt):  # noqa: F811
+def test_body_limit_json_on_both_apis(tiny_ckpt):
     with app_client(tiny_ckpt, max_body_bytes=2048) as c:
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * 5000}]})
         assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"

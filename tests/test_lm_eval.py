@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_app_live import start_app_process
+from tests.app_helpers import start_app_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (make test-slow installs .[eval])")

@@ -10,7 +10,7 @@ from engine.sampling import SamplingParams
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.kv_cache import ContextLengthError, KVCache
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 VARIANTS = [
     {},
@@ -109,7 +109,7 @@ def test_batch_gives_each_prompt_its_solo_result(params):
 def test_a_decode_step_reads_back_once(padded):
     # model forward + sampler: no host sync but the one read-back of the chosen tokens (on CUDA,
     # torch.cuda.set_sync_debug_mode would flag the same calls)
-    from tests.test_sampling import ReadBackCounter
+    from tests.helpers import ReadBackCounter
 
     model = tiny_model(vocab_size=257)
     tok = _tok()

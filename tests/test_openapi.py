@@ -10,15 +10,17 @@ import sys
 
 import pytest
 
-from tests.conftest import tiny_model, write_byte_ranks
-from tests.test_app_support import LiveServer, app_client, make_app, one_torch_thread, tiny_ckpt  # noqa: F401
+from tests.app_helpers import LiveServer, app_client, make_app
+from tests.helpers import tiny_model, write_byte_ranks
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GENERATION = {"/generate": "TGIRequest", "/generate_stream": "StreamRequest", "/": "CompatRequest",
               "/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest"}
 
 
 @pytest.fixture(scope="module")
-def schema(tiny_ckpt):  # noqa: F811
+def schema(tiny_ckpt):
     with app_client(tiny_ckpt, max_new_tokens=50, max_stop_sequences=3, max_top_n_tokens=4) as c:
         yield c.get("/openapi.json").json()
 

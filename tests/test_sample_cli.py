@@ -15,7 +15,7 @@ import pytest
 from engine.generate import generate
 from engine.sampling import SamplingParams
 from model.checkpoint import load_checkpoint, save_checkpoint
-from tests.conftest import REPO, tiny_model
+from tests.helpers import REPO, tiny_model
 
 
 @pytest.fixture

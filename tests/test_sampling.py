@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from engine.sampling import _M32, _MUL, Sampler, SamplingParams, gumbel, row_keys, seed_keys
-
-PROBS = torch.tensor([0.3, 0.2, 0.1, 0.1, 0.08, 0.07, 0.05, 0.04, 0.03, 0.01, 0.01, 0.005, 0.005])
+from tests.helpers import ALLOWED, PROBS, ReadBackCounter, packed_bitmask
 
 
 def chi2_critical(df: int, z: float = 3.29) -> float:
@@ -239,28 +238,6 @@ def test_top_n_alternatives_are_the_most_likely_raw_tokens():
         torch.testing.assert_close(torch.tensor(d.logprob), torch.log_softmax(logits[row], -1)[d.token])
 
 
-class ReadBackCounter:
-    """Counts every way a tensor's values reach Python (the host syncs of a CUDA device)."""
-
-    NAMES = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def __enter__(self):
-        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
-        for name, fn in self.saved.items():
-            def counted(t, *a, _name=name, _fn=fn, **k):
-                self.calls.append(_name)
-                return _fn(t, *a, **k)
-            setattr(torch.Tensor, name, counted)
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(torch.Tensor, name, fn)
-
-
 @pytest.mark.parametrize("params", [
     dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.8, top_k=50),
     dict(temperature=1.0, top_p=0.999), dict(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.5),
@@ -388,16 +365,6 @@ def test_a_biased_step_reads_back_once(params):
 
 
 # ---------------------------------------------------------------------------------------------- grammar masks
-def _packed(allowed: torch.Tensor) -> torch.Tensor:
-    """(k, V) bool → the packed int32 bitmask (bit j of word i: token 32·i + j)."""
-    k, V = allowed.shape
-    W = (V + 31) // 32
-    bits = torch.zeros(k, W * 32, dtype=torch.int64)
-    bits[:, :V] = allowed.long()
-    words = (bits.view(k, W, 32) << torch.arange(32)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
 def test_apply_bitmask_sets_exactly_the_disallowed_tokens_to_minus_inf():
     from engine.sampling import apply_bitmask
 
@@ -407,7 +374,7 @@ def test_apply_bitmask_sets_exactly_the_disallowed_tokens_to_minus_inf():
     allowed[:, 999] = True  # the last word's high bits
     z = torch.randn(3, 1024, generator=g)
     before = z.clone()
-    apply_bitmask(z, _packed(allowed), V)
+    apply_bitmask(z, packed_bitmask(allowed), V)
     assert torch.equal(torch.isinf(z[:, :V]), ~allowed)
     assert torch.equal(z[:, :V][allowed], before[:, :V][allowed]) and torch.equal(z[:, V:], before[:, V:])
 
@@ -424,16 +391,12 @@ def test_masked_rows_draw_only_allowed_tokens_and_report_raw_logprobs(params):
         logits = torch.randn(B, V, generator=g) * 3
         allowed = torch.rand(2, V, generator=g) < 0.05
         allowed[:, 5] = True
-        draws = s.step(logits, range(B), _packed(allowed))
+        draws = s.step(logits, range(B), packed_bitmask(allowed))
         for row, d in zip((0, 2), (draws[0], draws[2])):
             assert allowed[row // 2, d.token], (params, d.token)
             assert d.logprob == pytest.approx(torch.log_softmax(logits[row], -1)[d.token].item(), abs=1e-4)
     with pytest.raises(ValueError, match="bitmask"):
         s.step(torch.randn(B, V), range(B))
-
-
-# a grammar allows these of PROBS' tokens (the most likely one not among them)
-ALLOWED = torch.tensor([0, 1, 1, 0, 1, 1, 0, 1, 0, 1, 1, 0, 1], dtype=torch.bool)
 
 
 def masked_draws(logits: torch.Tensor, allowed: torch.Tensor, params: dict, rows: int = 250, steps: int = 16,
@@ -443,7 +406,7 @@ def masked_draws(logits: torch.Tensor, allowed: torch.Tensor, params: dict, rows
     s = Sampler(rows, V, steps + 1, block_size=block)
     for i in range(rows):
         s.admit(i, SamplingParams(**params), [0], seed=1000 + i, constrained=True)
-    bitmask = _packed(allowed.expand(rows, V))
+    bitmask = packed_bitmask(allowed.expand(rows, V))
     counts = torch.zeros(V)
     for _ in range(steps):
         for d in s.step(logits.expand(rows, V).contiguous(), range(rows), bitmask):
@@ -491,7 +454,7 @@ def test_low_temperature_masked_rows_never_draw_a_disallowed_or_padding_token():
     allowed = torch.rand(B, V, generator=g) < 0.5
     for _ in range(30):
         logits = torch.randn(B, V, generator=g) * 10
-        for row, d in enumerate(s.step(logits, range(B), _packed(allowed))):
+        for row, d in enumerate(s.step(logits, range(B), packed_bitmask(allowed))):
             assert d.token < V and allowed[row, d.token]
 
 
@@ -509,5 +472,5 @@ def test_blocks_with_no_allowed_token_get_no_mass(block):
     logits = torch.zeros(B, V)
     logits[:, [3, 150, 299]] = -60.0  # 60 nats below every disallowed token
     for _ in range(30):
-        for d in s.step(logits.clone(), range(B), _packed(allowed)):
+        for d in s.step(logits.clone(), range(B), packed_bitmask(allowed)):
             assert d.token in (3, 150, 299)

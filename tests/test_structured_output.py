@@ -21,7 +21,7 @@ from engine.sampling import SamplingParams
 from engine.stopping import FinishReason
 from engine.structured_output import GrammarError, Grammars, Matchers, grammar_text
 from model.checkpoint import load_checkpoint
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 # [0-9], not \d: the library's \d is any Unicode decimal digit of a newer Unicode than Python 3.11's `re` knows

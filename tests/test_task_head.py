@@ -27,7 +27,7 @@ from model.task_head import (
     special_ids,
     task_logits,
 )
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 from tests.task_fixtures import write_task_checkpoint
 
 ITEMS = {

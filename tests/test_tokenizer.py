@@ -8,7 +8,7 @@ from engine.generate import Sequence
 from engine.sampling import SamplingParams
 from engine.stopping import FinishReason, StopMatcher
 from model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
-from tests.conftest import write_byte_ranks
+from tests.helpers import write_byte_ranks
 
 TEXT = "naïve 東京 🙂 café — ½ done\n\tend"
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from model.tokenizer import Tokenizer
-from tests.conftest import write_byte_ranks
+from tests.helpers import write_byte_ranks
 from training import text as text_mod
 from training.data import BatchSampler, DataError, open_data_dir, token_dtype
 from training.prepare import prepare

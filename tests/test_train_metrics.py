@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_byte_ranks
-from tests.test_training import TINY, make_corpus
+from tests.helpers import TINY, make_corpus, write_byte_ranks
 from training.errors import TrainError
 from training.metrics import TENSORBOARD_MISSING, Metrics
 

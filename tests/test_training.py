@@ -10,7 +10,6 @@ import hashlib
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 import textwrap
@@ -23,11 +22,7 @@ from safetensors.torch import load_file
 
 from engine.generate import SamplingParams, generate
 from model.checkpoint import TRAINING_STATE, load_checkpoint, save_checkpoint
-from tests.conftest import tiny_model, write_byte_ranks
-
-REPO = Path(__file__).resolve().parents[1]
-TINY = ["n_layer=2", "n_head=2", "n_embd=32", "block_size=32", "batch_size=4", "eval_iters=2", "log_interval=1",
-        "warmup_iters=2", "learning_rate=3e-3", "min_lr=3e-4", "dropout=0.1", "sample_tokens=8", "num_threads=1"]
+from tests.helpers import REPO, TINY, make_corpus, tiny_model, write_byte_ranks
 
 
 def sets(*items: str) -> list[str]:
@@ -35,19 +30,6 @@ def sets(*items: str) -> list[str]:
     for item in (*TINY, *items):
         out += ["--set", item]
     return out
-
-
-def make_corpus(n_lines: int = 600, seed: int = 0) -> str:
-    rng = random.Random(seed)
-    names = ["ROMEO", "JULIET", "NURSE", "FRIAR"]
-    words = ("the a my thy love night day sweet fair death light star heaven hath doth art thou shall "
-             "not what with from where speak come go good lord lady kiss name rose").split()
-    lines = []
-    for _ in range(n_lines):
-        if rng.random() < 0.15:
-            lines.append(f"\n{rng.choice(names)}:")
-        lines.append(" ".join(rng.choices(words, k=rng.randint(4, 10))).capitalize() + rng.choice(".,;!?"))
-    return "\n".join(lines) + "\n"
 
 
 def cli(module: str, *args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
@@ -355,7 +337,7 @@ def test_init_from_fine_tunes_and_checks_the_tokenizer(tmp_path, data_dir, corpu
 
     # data tokenized with another tokenizer → refused
     other = tmp_path / "other"
-    from tests.conftest import write_byte_ranks
+    from tests.helpers import write_byte_ranks
 
     write_byte_ranks(tmp_path / "bytes.tiktoken", [b"th", b"he"])
     assert cli("training.prepare", "--input", str(corpus), "--out", str(other), "--tokenizer",

@@ -1,44 +1,22 @@
-"""Shared pieces for the app and engine tests (no tests here): a tiny checkpoint built once per session,
-app factories, and a live uvicorn server on 127.0.0.1 in a background thread."""
+"""Plain helpers for the app and engine tests (no tests and no fixtures here; the tiny checkpoint is a fixture in
+tests/conftest.py): app factories, a live uvicorn server on 127.0.0.1 in a background thread, `python -m app` as a
+subprocess, SSE parsing and the library's solo reference."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
-from tests.conftest import tiny_model, write_byte_ranks
-
-BLOCK = 128  # context of the test model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The test model is tiny: one intra-op thread is fastest, and far faster on a busy shared machine
-    (OpenMP threads spin while they wait for cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory) -> Path:
-    """A 2-layer byte-level GPT (vocab 261, context 128) saved as a real checkpoint."""
-    from model.checkpoint import save_checkpoint
-    from model.tokenizer import Tokenizer
-
-    d = tmp_path_factory.mktemp("ckpt")
-    ranks = write_byte_ranks(d / "bytes.tiktoken", [b"th", b"he", b" t", b"the"])
-    tok = Tokenizer.from_ranks_file(ranks)
-    model = tiny_model(0, vocab_size=tok.vocab_size, block_size=BLOCK)
-    return save_checkpoint(d / "tiny", model, tok, {"note": "app tests"}, tokenizer_file=ranks)
+from tests.helpers import REPO
 
 
 def make_settings(ckpt: Path, **overrides):
@@ -151,3 +129,38 @@ def reference_generate(ckpt: Path, prompt: str, **params):
     c = load_checkpoint(ckpt)
     with torch.inference_mode():
         return generate(c.model, c.tokenizer, [c.tokenizer.encode(prompt)], SamplingParams(**params))[0]
+
+
+def wait_until(cond, timeout=5.0, step=0.005) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "condition not reached"
+        time.sleep(step)
+    return time.monotonic() - t0
+
+
+def start_app_process(ckpt: Path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`python -m app` on a free port, waited for until /health is 200."""
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--checkpoint", str(ckpt), "--port", str(port),
+                             "--host", "127.0.0.1", "--device", "cpu", "--torch-threads", "1", *flags],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(up, timeout=60, step=0.1)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, url

@@ -1,8 +1,9 @@
 """Next-token selection on the model's device, vectorized over the batch.
 
-`Sampler` keeps every request's sampling state as tensors indexed by KV-cache slot (temperature,
+`SlotState` keeps every request's sampling state as tensors indexed by KV-cache slot (temperature,
 top-k, top-p, penalties, seed, the token history), written once when the request is admitted, so a
-decode step builds nothing from Python lists and reads back one small tensor.
+decode step builds nothing from Python lists; `Sampler` draws each step's tokens from it and reads back
+one small tensor.
 
 Randomness is counter-based, as in vLLM's GPU sampler (`vllm/v1/worker/gpu/sample/gumbel.py`):
 the Gumbel noise of token t at step n of a request with seed s is a hash of (s, n, t). It belongs to
@@ -258,22 +259,22 @@ class Draw:
     stop: bool = False  # set by the engine core: the request's grammar is complete (structured output)
 
 
-class Sampler:
-    """Per-slot sampling state on the device and the batched, seeded next-token choice.
+class SlotState:
+    """Every slot's sampling state on the device, as tensors indexed by KV-cache slot: the parameters, the seed's
+    key, the token history (prompt + output) with its first occurrences and seen set, the newest token, and
+    (allocated on first use) logit bias and min_tokens suppression.
 
-    `admit` a request into a slot (writes its parameters and prompt), `step(logits, slots)` picks one
-    token per row, reads the batch back once and records the tokens; `last` holds each slot's newest
-    token for the next decode step. `move` follows a request to another slot.
+    `admit` writes a request into a slot, `move` follows requests to other slots, `release` empties one,
+    `record` appends a step's tokens. `kinds` holds what each slot's request needs, on the host; `version`
+    counts the admits, moves and releases (the batch plans of `Sampler`, which draws from this state, are valid
+    for one version).
     """
 
-    def __init__(self, n_slots: int, vocab_size: int, max_len: int, device: torch.device | str = "cpu",
-                 block_size: int = BLOCK_SIZE, eos_id: int | None = None) -> None:
-        self.n_slots, self.vocab_size, self.max_len = n_slots, vocab_size, max_len
-        self.device = torch.device(device)
-        self.block = block_size
-        self.n_blocks = (vocab_size + 1 + block_size - 1) // block_size  # +1: column V is a -inf sink
-        self.padded = self.n_blocks * block_size
-        dev, n = self.device, n_slots
+    def __init__(self, n_slots: int, vocab_size: int, max_len: int, padded: int, device: torch.device,
+                 eos_id: int | None = None) -> None:
+        self.n_slots, self.vocab_size, self.max_len, self.padded = n_slots, vocab_size, max_len, padded
+        self.device = device
+        dev, n = device, n_slots
         f32 = dict(dtype=torch.float32, device=dev)
         i64 = dict(dtype=torch.long, device=dev)
         self.inv_temp = torch.ones(n, **f32)
@@ -287,7 +288,7 @@ class Sampler:
         self.length = torch.zeros(n, **i64)  # entries used in history
         self.prompt_len = torch.zeros(n, **i64)
         self.first = torch.zeros(n, max_len, dtype=torch.bool, device=dev)  # output token new at that position
-        self.seen = torch.zeros(n, self.padded, dtype=torch.bool, device=dev)  # tokens output so far
+        self.seen = torch.zeros(n, padded, dtype=torch.bool, device=dev)  # tokens output so far
         self.last = torch.zeros(n, **i64)  # the newest token of each slot: the next decode step's input
         self.eos_id = eos_id  # suppressed under min_tokens (with stop_at_eos)
         self.min_tokens = torch.zeros(n, **i64)
@@ -295,21 +296,11 @@ class Sampler:
         # and the ids min_tokens suppresses, (n, S) with V (the -inf sink column) for an empty entry
         self.bias: torch.Tensor | None = None
         self.suppress: torch.Tensor | None = None
-        self._state = ["inv_temp", "top_k", "top_p", "repetition", "presence", "frequency", "seed_key", "history",
-                       "length", "prompt_len", "first", "seen", "last", "min_tokens"]
-        self._kinds: list[_Kind | None] = [None] * n
-        # workspaces (rows are batch rows, not slots); padding columns stay -inf
-        self._z = torch.full((n, self.padded), float("-inf"), **f32)
-        self._e = torch.empty(n, self.padded, **f32)
-        self._tmp = torch.full((n, self.padded), float("-inf"), **f32)
-        self._block_ids = torch.arange(self.n_blocks, **i64)
-        self._in_block = torch.arange(block_size, **i64)
-        self._cols = torch.arange(max_len, **i64)
-        self._plans: dict = {}
-        self._mask_ws: tuple[torch.Tensor, torch.Tensor] | None = None  # grammar masks' workspaces (_mask)
-        self.read_backs = 0  # device→host copies made (tests count them)
+        self._tensors = ["inv_temp", "top_k", "top_p", "repetition", "presence", "frequency", "seed_key",
+                         "history", "length", "prompt_len", "first", "seen", "last", "min_tokens"]  # what move carries
+        self.kinds: list[_Kind | None] = [None] * n  # what each slot's request needs (None: empty)
+        self.version = 0  # counts the changes to the slots (admit, move, release)
 
-    # ------------------------------------------------------------------ slots
     def admit(self, slot: int, params: SamplingParams, prompt: list[int], seed: int, top_n: int = 0,
               constrained: bool = False) -> None:
         """Write a request's parameters, seed and prompt into `slot` (the seed was drawn at validation).
@@ -337,13 +328,13 @@ class Sampler:
         self.last[slot] = prompt[-1]
         top_k = params.top_k if not greedy and 0 < params.top_k < self.vocab_size else 0
         bias, suppress = self._admit_bias(slot, params)
-        self._kinds[slot] = _Kind(
+        self.kinds[slot] = _Kind(
             greedy=greedy, top_k=top_k, top_p=not greedy and params.top_p < 1.0,
             repetition=params.repetition_penalty != 1.0,
             presence_frequency=params.presence_penalty != 0.0 or params.frequency_penalty != 0.0,
             unit_temperature=greedy or params.temperature == 1.0, top_n=top_n, bias=bias, min_tokens=suppress,
             constrained=constrained, sharpened=not greedy and params.temperature < 1.0)
-        self._plans.clear()
+        self.version += 1
 
     def _admit_bias(self, slot: int, params: SamplingParams) -> tuple[bool, bool]:
         """Write the slot's logit bias and min_tokens suppression (clearing a previous request's)."""
@@ -376,29 +367,68 @@ class Sampler:
         return bool(params.logit_bias), bool(ids)
 
     def release(self, slot: int) -> None:
-        self._kinds[slot] = None
-        self._plans.clear()
+        self.kinds[slot] = None
+        self.version += 1
 
     def move(self, src: list[int], dst: list[int]) -> None:
         """Move the requests in slots `src` to slots `dst` (a permutation of them is fine: swaps work)."""
         s = torch.tensor(src, device=self.device)
         d = torch.tensor(dst, device=self.device)
-        for name in self._state:
+        for name in self._tensors:
             t = getattr(self, name)
             t[d] = t[s]  # the right side is gathered into a new tensor first
         for t in (self.bias, self.suppress):
             if t is not None:
                 t[d] = t[s]
-        kinds = [self._kinds[i] for i in src]
+        kinds = [self.kinds[i] for i in src]
         for i, k in zip(dst, kinds):
-            self._kinds[i] = k
+            self.kinds[i] = k
         for i in set(src) - set(dst):
-            self._kinds[i] = None
-        self._plans.clear()
+            self.kinds[i] = None
+        self.version += 1
 
     def prompt_slice(self, slot: int, start: int, stop: int) -> torch.Tensor:
         """Prompt tokens [start, stop) of a slot, already on the device (prefill input)."""
         return self.history[slot, start:stop]
+
+    def record(self, rows: slice | torch.Tensor, index: torch.Tensor, token: torch.Tensor) -> None:
+        """Record a step's tokens (B,) for the slots `rows` (a view or an index; `index`: always an index):
+        history, first occurrences, seen set, length, next input."""
+        at = self.length[rows]
+        self.history[index, at] = token
+        self.first[index, at] = ~self.seen[index, token]
+        self.seen[index, token] = True
+        self.length[rows] += 1
+        self.last[rows] = token
+
+
+class Sampler(SlotState):
+    """The batched, seeded next-token choice, over the slots' sampling state it extends (`SlotState`).
+
+    `admit` a request into a slot (writes its parameters and prompt), `step(logits, slots)` picks one
+    token per row, reads the batch back once and records the tokens; `last` holds each slot's newest
+    token for the next decode step. `move` follows a request to another slot.
+    """
+
+    def __init__(self, n_slots: int, vocab_size: int, max_len: int, device: torch.device | str = "cpu",
+                 block_size: int = BLOCK_SIZE, eos_id: int | None = None) -> None:
+        self.block = block_size
+        self.n_blocks = (vocab_size + 1 + block_size - 1) // block_size  # +1: column V is a -inf sink
+        super().__init__(n_slots, vocab_size, max_len, self.n_blocks * block_size, torch.device(device), eos_id)
+        dev, n = self.device, n_slots
+        f32 = dict(dtype=torch.float32, device=dev)
+        i64 = dict(dtype=torch.long, device=dev)
+        # workspaces (rows are batch rows, not slots); padding columns stay -inf
+        self._z = torch.full((n, self.padded), float("-inf"), **f32)
+        self._e = torch.empty(n, self.padded, **f32)
+        self._tmp = torch.full((n, self.padded), float("-inf"), **f32)
+        self._block_ids = torch.arange(self.n_blocks, **i64)
+        self._in_block = torch.arange(block_size, **i64)
+        self._cols = torch.arange(max_len, **i64)
+        self._plans: dict = {}  # batch plans, for the slots' state at version _plans_version
+        self._plans_version = self.version
+        self._mask_ws: tuple[torch.Tensor, torch.Tensor] | None = None  # grammar masks' workspaces (_mask)
+        self.read_backs = 0  # device→host copies made (tests count them)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -424,7 +454,7 @@ class Sampler:
                 rows[i][0], rows[i][1] = t, lp
             token = token.clone()
             token[torch.tensor(rejected, device=self.device)] = torch.tensor([t for t, _ in fixed], device=self.device)
-        self._commit(plan, token)
+        self.record(plan.rows, plan.index, token)
         n = plan.top_n
         first_top = 3 if accepted is not None else 2
         out = []
@@ -437,6 +467,9 @@ class Sampler:
         return out
 
     def _plan(self, slots: range | list[int]) -> _Plan:
+        if self._plans_version != self.version:  # a slot changed since the plans were made
+            self._plans.clear()
+            self._plans_version = self.version
         key = ("range", slots.start, slots.stop) if isinstance(slots, range) and slots.step == 1 else tuple(slots)
         plan = self._plans.get(key)
         if plan is None:
@@ -444,7 +477,7 @@ class Sampler:
         return plan
 
     def _make_plan(self, slots: list[int]) -> _Plan:
-        kinds = [self._kinds[s] for s in slots]
+        kinds = [self.kinds[s] for s in slots]
         if any(k is None for k in kinds):
             raise ValueError(f"a slot in {slots} holds no request")
         dev, n = self.device, len(slots)
@@ -792,16 +825,6 @@ class Sampler:
             output = (self._cols[None, :] >= start) & (self._cols[None, :] < length)
             w = self.frequency[rows][:, None] + self.presence[rows][:, None] * self.first[rows]
             z.scatter_add_(1, hist, -(w * output))
-
-    def _commit(self, plan: _Plan, token: torch.Tensor) -> None:
-        """Record the step's tokens: history, first occurrences, seen set, length, next input."""
-        rows, r = plan.rows, plan.index
-        at = self.length[rows]
-        self.history[r, at] = token
-        self.first[r, at] = ~self.seen[r, token]
-        self.seen[r, token] = True
-        self.length[rows] += 1
-        self.last[rows] = token
 
 
 

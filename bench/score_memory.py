@@ -4,7 +4,7 @@ Every slot of the server's engine core gets a full-context prompt (block_size - 
 log-probabilities and the top-1 alternative (lm-eval's `logprobs: 1`), scored only (`max_tokens: 0`) or with one
 generated token (`max_tokens: 1`, lm-eval's request). The core is built as the server builds it
 (`engine.core_process.build_core`: the same slots, prefill chunk, dtype and KV cache), so the numbers are the
-server's. Reported, against the KV cache's budget (`engine.sizing.default_max_batch_size`: per slot a full-length KV
+server's. Reported, against the KV cache's budget (`engine.sizing.plan_slots`: per slot a full-length KV
 cache plus a 4 MiB allowance for the sampler and a step's logits):
 
 - the KV cache and the sampler's state (allocated at start),
@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.common import env_info, print_table, random_gpt2, set_threads, write_result
-
-SLOT_ALLOWANCE = 4 * 1024 * 1024  # engine.sizing.default_max_batch_size's per-slot allowance beside the KV cache
+from engine.sizing import SLOT_ALLOWANCE  # the per-slot allowance beside the KV cache
 
 
 class PeakMemory:

@@ -157,18 +157,18 @@ def check_fits(cfg: CoreConfig, device, dtype, available: int | None = None) -> 
     # loading reads the stored tensors and converts them to the serving dtype (int8/int4 are made from those)
     elsize = torch.empty((), dtype=dtype).element_size()
     quantized = (Path(cfg.checkpoint) / QUANTIZATION).is_file()  # loads as stored, no fp32 copy on the way
-    weights = stored if quantized else max(stored, config_params(config) * elsize)
+    if quantized:
+        weights = stored
+    else:
+        from model.gpt import GPT
+
+        with torch.device("meta"):  # the parameter count, without allocating it
+            weights = max(stored, GPT(config).num_params(non_embedding=False) * elsize)
     slot = kv_bytes_per_slot(config.n_layer, config.n_embd, config.block_size, resolve_kv_dtype(cfg, dtype))
     free = available_memory(device) if available is None else available
     if weights + slot > free:
         raise StartupError(f"{cfg.checkpoint}: the weights ({gib(weights)} as loaded) plus one full-length KV slot "
                            f"({gib(slot)}) need {gib(weights + slot)} but {gib(free)} is available on {device}")
-
-
-def config_params(config) -> int:
-    """Parameters of a GPT of this config, the tied head counted once."""
-    C, L = config.n_embd, config.n_layer
-    return config.vocab_size * C + config.block_size * C + L * (12 * C * C + 13 * C) + 2 * C
 
 
 def resolve_kv_dtype(cfg: CoreConfig, dtype):

@@ -12,6 +12,7 @@ start-up error saying what would fit.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +60,6 @@ def available_memory(device: torch.device) -> int:
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -114,9 +113,3 @@ def plan_slots(n_layer: int, n_embd: int, context: int, device: torch.device, kv
             "or free memory")
     cap = GPU_MAX_BATCH if device.type == "cuda" else CPU_DEFAULT_BATCH
     return SlotPlan(min(cap, fits), kv, budget, free)
-
-
-def default_max_batch_size(n_layer: int, n_embd: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                           memory_fraction: float) -> int:
-    """The default slot count for this model and device (`plan_slots` with the default budget)."""
-    return plan_slots(n_layer, n_embd, block_size, device, dtype, memory_fraction=memory_fraction).slots

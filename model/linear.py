@@ -124,10 +124,8 @@ class _Served(nn.Module):
 
 
 class PackedLinear(_Served):
-    """fp32 / bf16 on a CPU: oneDNN's blocked copy of the weight, the only one kept. Up to `SMALL_ROWS` rows, MKL's
-    GEMV on a column-major copy where `tune` measured it faster for this shape (that copy exists only then)."""
-
-    SMALL_ROWS = 1
+    """fp32 / bf16 on a CPU: oneDNN's blocked copy of the weight, the only one kept. At one row, MKL's GEMV on a
+    column-major copy where `tune` measured it faster for this shape (that copy exists only then)."""
 
     def __init__(self, layer: nn.Linear) -> None:
         super().__init__()
@@ -367,9 +365,9 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
     # what stays plain (LayerNorms, position and token embeddings) gets storage of its own: loaded tensors are views
     # of one buffer of the whole file (safetensors), which lives while any of them does; without this a GPT-2 XL
     # server kept its 6.2 GB of fp32 weights as loaded beside the served copy
+    for p in model.parameters():  # each once (a tied head shares its Parameter with the embedding)
+        p.data = p.data.clone()
     for m in model.modules():
-        for p in m.parameters(recurse=False):
-            p.data = p.data.clone()
         for name, b in m.named_buffers(recurse=False):
             setattr(m, name, b.clone())
     return {"format": fmt, "swapped": swapped, "group": group if fmt == "int4" else None}

@@ -130,8 +130,7 @@ def quantized_keys(state: dict[str, torch.Tensor], q: dict | None) -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from model.checkpoint import CONFIG, WEIGHTS, CheckpointError, read_checkpoint
-    from model.gpt import GPT
+    from model.checkpoint import TIED, WEIGHTS, CheckpointError, load_checkpoint
 
     p = argparse.ArgumentParser(prog="python -m model.quantize", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="an fp32/bf16 checkpoint directory")
@@ -142,38 +141,31 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     prog = "python -m model.quantize"
     src, out = Path(args.checkpoint), Path(args.out)
+    tmp = out.parent / f".{out.name}.tmp"
     try:
-        config, _tok, metadata = read_checkpoint(src)
-        if read_quantization(src) is not None:
-            raise CheckpointError(f"{src / QUANTIZATION}: already quantized; quantize its fp32 source instead")
-        from safetensors.torch import load_file
-
-        state = load_file(str(src / WEIGHTS))
         if out.exists():
             raise FileExistsError(f"--out {out} already exists")
-        with torch.device("meta"):
-            names = [n for n, *_ in block_linears(GPT(config))]
-        missing = [f"{n}.weight" for n in names + ["transformer.wte"] if f"{n}.weight" not in state]
-        if missing:
-            raise CheckpointError(f"{src / WEIGHTS}: does not match {CONFIG}: missing tensor {missing[0]}")
-        qstate = quantize_state({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, names,
-                                args.mode, args.group_size)
+        if read_quantization(src) is not None:
+            raise CheckpointError(f"{src / QUANTIZATION}: already quantized; quantize its fp32 source instead")
+        ck = load_checkpoint(src)  # every check a server makes: files, shapes, finite values
+        names = [n for n, *_ in block_linears(ck.model)]
+        state = {k: v.float() if v.is_floating_point() else v for k, v in ck.model.state_dict().items() if k != TIED}
+        qstate = quantize_state(state, names, args.mode, args.group_size)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(WEIGHTS, "training_state.pt"))
+        save_file(qstate, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        q = {"mode": args.mode, "group_size": args.group_size if args.mode == "int4" else None}
+        (tmp / QUANTIZATION).write_text(json.dumps(q, indent=2) + "\n")
+        meta = dict(ck.metadata, quantized_from=str(src), quantization=q)
+        (tmp / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
+        tmp.rename(out)
     except (CheckpointError, FormatError, FileExistsError, ValueError, OSError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    tmp = out.parent / f".{out.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(WEIGHTS, "training_state.pt"))
-    save_file(qstate, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    q = {"mode": args.mode, "group_size": args.group_size if args.mode == "int4" else None}
-    (tmp / QUANTIZATION).write_text(json.dumps(q, indent=2) + "\n")
-    meta = dict(metadata, quantized_from=str(src), quantization=q)
-    (tmp / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
-    tmp.rename(out)
     size = (out / WEIGHTS).stat().st_size
     print(f"{out}: {args.mode} weights, {size / 1e6:.1f} MB (from {(src / WEIGHTS).stat().st_size / 1e6:.1f} MB)")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -64,6 +64,12 @@ def test_cli_errors_are_one_line(saved, tmp_path, capsys):
     assert main(["--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o"), "--mode", "int8"]) == 2
     assert main(["--checkpoint", str(saved / "int8"), "--out", str(tmp_path / "o"), "--mode", "int4"]) == 2
     assert main(["--checkpoint", str(BUNDLED), "--out", str(saved / "int8"), "--mode", "int8"]) == 2
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for f in BUNDLED.iterdir():
+        (corrupt / f.name).write_bytes(b"not safetensors" if f.name == "model.safetensors" else f.read_bytes())
+    assert main(["--checkpoint", str(corrupt), "--out", str(tmp_path / "o"), "--mode", "int8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("python -m model.quantize: error: ") for line in err)
-    assert "already quantized" in err[1] and "already exists" in err[2]
+    assert len(err) == 4 and all(line.startswith("python -m model.quantize: error: ") for line in err)
+    assert "already quantized" in err[1] and "already exists" in err[2] and "corrupt safetensors" in err[3]
+    assert not (tmp_path / "o").exists() and not (tmp_path / ".o.tmp").exists()

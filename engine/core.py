@@ -23,6 +23,13 @@ masks of those rows are filled once, after the step's first forward pass is laun
 overlaps it), copied to the device once, and applied by the sampler; after the draws each matcher takes its
 request's token, and a request whose grammar is complete finishes (FinishReason.STOP, or EOS when it took
 <|endoftext|>). A step with no constrained request does none of this.
+
+Speculative decoding (engine/spec_decode; `speculative`, off by default): in a step decoding at most
+`SpecConfig.max_batch` requests, the speculating ones get proposals (prompt lookup or a draft model) and the
+decode pass scores [last, d1..dk] for every row at once (`_verify`). The sampler then draws position j of the rows
+still alive with its own seeded noise, penalties, bias, min_tokens and grammar state as if d1..dj were taken (they
+were, exactly when each was the draw): a row emits its draws up to the first that differs from its proposal, and
+its cache keeps the positions of the tokens it emitted. The tokens are those of a run without speculation.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from engine.prompt_logprobs import PROMPT_LOGPROBS_PIECE, PromptScorer
 from engine.request import EngineRequest, ErrorKind, RequestOutput, check_context
 from engine.sampling import Sampler, SamplingParams, bad_token
 from engine.scheduler import Scheduler, Step
+from engine.spec_decode import SpecConfig, Speculator
 from engine.structured_output import Grammars, Matchers
 from model.gpt import GPT
 from model.kv_cache import KVCache, device_index
@@ -50,7 +58,8 @@ class EngineCore:
                  cuda_graphs: bool | None = None, pad_vocab: bool = True, prefix_cache: bool = False,
                  min_prefix: int = 16, idle_prefill_chunk: int | None = None, tokenizer=None,
                  prepack: bool = False, quantize: str = "none", int4_group: int = DEFAULT_INT4_GROUP,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, speculative: SpecConfig | None = None,
+                 draft_model: GPT | None = None) -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -92,6 +101,7 @@ class EngineCore:
         # prompt log-probabilities of the requests that asked, from admission to their first output
         # (the piece size is read from this module when a core is made: tests set a smaller one here)
         self._scores = PromptScorer(vocab_size, piece=PROMPT_LOGPROBS_PIECE)
+        self.speculator = self._make_speculator(speculative, draft_model)
 
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
@@ -118,6 +128,8 @@ class EngineCore:
             raise
         if request.prompt_logprobs is not None:
             self._scores.add(request.request_id, request.prompt_logprobs)
+        if self.speculator is not None and request.speculate and p.max_new_tokens > 1:
+            self.speculator.add(request.request_id, request.prompt)
 
     @property
     def matchers(self) -> Matchers:
@@ -131,6 +143,8 @@ class EngineCore:
         self.scheduler.abort(request_ids)
         for rid in request_ids:
             self._scores.drop(rid)
+            if self.speculator is not None:
+                self.speculator.drop(rid)
             if self._matchers is not None:
                 self._matchers.drop(rid)
 
@@ -152,6 +166,8 @@ class EngineCore:
             for out in outputs:
                 if out.done:
                     self._matchers.drop(out.request_id)
+        if self.speculator is not None:
+            self.speculator.record(outputs)
         return self._scores.attach(outputs)
 
     # ------------------------------------------------------------------ the step
@@ -195,16 +211,99 @@ class EngineCore:
         if step.decode:
             n = len(step.decode)
             self.max_batch_seen = max(self.max_batch_seen, n)
-            if self._graphed is not None:
-                logits = self._graphed(self.sampler.last[:n], n)
+            proposals = self._proposals(step.decode)
+            if proposals is not None:
+                draws += self._verify(step.decode, proposals, masks)
             else:
-                logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
+                if self._graphed is not None:
+                    logits = self._graphed(self.sampler.last[:n], n)
+                else:
+                    logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
+                draws += self.sampler.step(logits, range(n), masks.next(step.decode) if masks else None)
             self.decode_steps += 1
-            draws += self.sampler.step(logits, range(n), masks.next(step.decode) if masks else None)
-        self.generated_tokens += len(draws)
+        self.generated_tokens += sum(len(d) if isinstance(d, list) else 1 for d in draws)
         if masks:
             masks.advance(draws)
         return draws
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _make_speculator(self, config: SpecConfig | None, draft_model: GPT | None) -> Speculator | None:
+        if config is None or not config.enabled:
+            return None
+        draft = None
+        if config.method == "draft":
+            from engine.spec_decode.draft import DraftProposer
+
+            if draft_model is None:
+                raise ValueError("speculative method draft needs the draft model (draft_model)")
+            draft = DraftProposer(draft_model, self.n_slots, self.vocab_size, max_len=self.max_len)
+        return Speculator(config, draft)
+
+    def _proposals(self, decode) -> list[list[int]] | None:
+        """Each decoding row's proposal, or None when this step does not speculate (speculation off, a batch above
+        max_batch, no row with a proposal). A row proposes at most what it may still generate after this step's
+        first token and what its cache slot has room for."""
+        spec = self.speculator
+        if spec is None or len(decode) > spec.config.max_batch or not any(r.id in spec for r in decode):
+            return None
+        lengths = self.cache.lengths
+        limits = [min(r.request.params.max_new_tokens - r.generated - 1, self.max_len - lengths[i] - 1)
+                  for i, r in enumerate(decode)]
+        proposals = spec.propose([r.id for r in decode], limits)
+        if not any(proposals):
+            return None
+        # one padded pass: every row computes 1 + the longest proposal positions, which must fit every slot
+        room = min(self.max_len - lengths[i] - 1 for i in range(len(decode)))
+        return [p[:room] for p in proposals] if room > 0 else None
+
+    def _verify(self, decode, proposals: list[list[int]], masks) -> list[list]:
+        """Score every decoding row at 1 + its proposal's positions in one pass, then draw position by position
+        over the rows whose proposals held so far: each row's draws (a list) up to and including the first that
+        differs from its proposal (or the one after its last proposed token). The slots keep the positions of the
+        tokens emitted; the rest of the pass's entries lie past their lengths, to be overwritten."""
+        n, spec = len(decode), self.speculator
+        T = 1 + max(len(p) for p in proposals)
+        idx = torch.zeros(n, T, dtype=torch.long)
+        for i, p in enumerate(proposals):
+            if p:
+                idx[i, 1:1 + len(p)] = torch.tensor(p, dtype=torch.long)
+        idx = idx.to(self.device)
+        idx[:, 0] = self.sampler.last[:n]
+        before = list(self.cache.lengths[:n])
+        logits = self.model.forward_cached(idx, self.cache, range(n), all_logits=True)  # (n, T, V)
+        spec.steps += 1
+        out = [[d] for d in self.sampler.step(logits[:, 0], range(n), masks.next(decode) if masks else None)]
+        matchers = self._matchers if masks else None
+        self._accept_grammar(matchers, decode, [o[0] for o in out])
+        alive = [i for i in range(n) if proposals[i] and out[i][0].token == proposals[i][0] and not out[i][0].stop]
+        j = 1
+        while alive:
+            rows = device_index(alive, self.device)
+            constrained = [decode[i].id for i in alive if decode[i].id in matchers] if matchers else []
+            mask = matchers.fill(constrained) if constrained else None
+            ds = self.sampler.step(logits[rows, j], alive, mask)
+            self._accept_grammar(matchers, [decode[i] for i in alive], ds)
+            for i, d in zip(alive, ds):
+                out[i].append(d)
+            alive = [i for i, d in zip(alive, ds) if j < len(proposals[i]) and d.token == proposals[i][j]
+                     and not d.stop]
+            j += 1
+        for i, r in enumerate(decode):
+            self.cache.truncate(i, before[i] + len(out[i]))
+            if proposals[i]:
+                spec.observe(r.id, len(proposals[i]), len(out[i]) - 1)
+        return out
+
+    @staticmethod
+    def _accept_grammar(matchers: Matchers | None, reqs, draws) -> None:
+        """Constrained requests' matchers take their draws now (the next position's masks depend on them);
+        `stop` on a draw whose grammar is complete or refused it."""
+        if not matchers:
+            return
+        for r, d in zip(reqs, draws):
+            if r.id in matchers:
+                ok, done = matchers.accept(r.id, d.token)
+                d.stop = done or not ok
 
     def _apply(self, ops) -> None:
         for op in ops:
@@ -301,7 +400,8 @@ class EngineCore:
                 "generated_tokens": self.generated_tokens, "cuda_graphs": self._graphed is not None,
                 "prepacked_layers": self.packed_layers, "weights": self.weights["format"],
                 "weight_bytes": self.weight_bytes, "kv_bytes": self.cache.nbytes(),
-                "kv_dtype": str(self.kv_dtype).removeprefix("torch.")}
+                "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+                "speculative": self.speculator.stats() if self.speculator is not None else None}
 
 
 class _StepMasks:
@@ -330,8 +430,9 @@ class _StepMasks:
         return rows
 
     def advance(self, draws) -> None:
-        """Each constrained request's matcher takes its token; `stop` on the draws whose grammar is complete."""
+        """Each constrained request's matcher takes its token; `stop` on the draws whose grammar is complete.
+        (A list of draws is a verified row's: its matcher took them as they were drawn, EngineCore._verify.)"""
         for r, d in zip(self.sampled, draws):
-            if r.id in self.matchers:
+            if not isinstance(d, list) and r.id in self.matchers:
                 ok, done = self.matchers.accept(r.id, d.token)
                 d.stop = done or not ok

@@ -18,6 +18,7 @@ import torch
 from engine.core import EngineCore
 from engine.request import EngineRequest, check_context, with_seed
 from engine.sampling import SamplingParams, draw_seed
+from engine.spec_decode import SpecConfig, parse_speculative
 from engine.stopping import FinishReason, StopMatcher
 from model.gpt import GPT
 from model.kv_cache import KVCache
@@ -126,12 +127,32 @@ def make_sequences(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],
             for p, sp in zip(prompts, params)]
 
 
-def run(model: GPT, seqs: list[Sequence], prefill_chunk: int | None = None) -> Iterator[tuple[int, TokenEvent]]:
-    """Drive sequences to completion through one engine core (a slot each); yields (index, event) per token."""
+def speculation(model: GPT, tokenizer: Tokenizer, speculative: SpecConfig | str | None,
+                draft_model: GPT | None = None) -> tuple[SpecConfig | None, GPT | None]:
+    """The library's speculative option: a SpecConfig or its string (`off`, `ngram`, `draft:CHECKPOINT`) → the
+    config and, for a draft named by its checkpoint, the draft model loaded beside `model` (same tokenizer)."""
+    if speculative is None:
+        return None, None
+    config = parse_speculative(speculative) if isinstance(speculative, str) else speculative.check()
+    if config.method == "draft" and draft_model is None:
+        from engine.spec_decode.draft import load_draft
+
+        param = next(model.parameters())
+        draft_model = load_draft(config.draft, tokenizer, param.device, param.dtype)
+    return config, draft_model
+
+
+def run(model: GPT, seqs: list[Sequence], prefill_chunk: int | None = None,
+        speculative: SpecConfig | str | None = None, draft_model: GPT | None = None,
+        ) -> Iterator[tuple[int, TokenEvent]]:
+    """Drive sequences to completion through one engine core (a slot each); yields (index, event) per token.
+    `speculative`: speculative decoding (engine/spec_decode; the same tokens, sooner when proposals hold)."""
     tokenizer = seqs[0].tokenizer
+    spec, draft_model = speculation(model, tokenizer, speculative, draft_model)
     core = EngineCore(model, n_slots=len(seqs), vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eot_id,
                       max_len=max(len(s.prompt) + s.params.max_new_tokens for s in seqs),
-                      prefill_chunk=prefill_chunk, cuda_graphs=False, pad_vocab=False)
+                      prefill_chunk=prefill_chunk, cuda_graphs=False, pad_vocab=False, speculative=spec,
+                      draft_model=draft_model)
     for i, s in enumerate(seqs):
         core.add(EngineRequest(str(i), s.prompt, s.params))
     while core.has_work():
@@ -139,24 +160,31 @@ def run(model: GPT, seqs: list[Sequence], prefill_chunk: int | None = None) -> I
             if out.error is not None:
                 raise RuntimeError(out.message)
             i = int(out.request_id)
-            for token, logprob in zip(out.token_ids, out.logprobs):
-                ev = seqs[i].append(token, logprob, out.finish)
+            last = len(out.token_ids) - 1  # several tokens when speculation verified proposals
+            for j, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
+                ev = seqs[i].append(token, logprob, out.finish if j == last else None)
                 if ev.finish_reason is not None and out.finish is None:  # a stop string: the core stops too
                     core.abort([out.request_id])
                 yield i, ev
+                if ev.finish_reason is not None:
+                    break
 
 
 def stream_generate(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],
-                    params: SamplingParams | list[SamplingParams],
-                    prefill_chunk: int | None = None) -> Iterator[tuple[int, TokenEvent]]:
+                    params: SamplingParams | list[SamplingParams], prefill_chunk: int | None = None,
+                    speculative: SpecConfig | str | None = None,
+                    draft_model: GPT | None = None) -> Iterator[tuple[int, TokenEvent]]:
     """Generate for a batch of prompts together, yielding (prompt index, event) per token."""
-    yield from run(model, make_sequences(model, tokenizer, prompts, params), prefill_chunk)
+    yield from run(model, make_sequences(model, tokenizer, prompts, params), prefill_chunk, speculative, draft_model)
 
 
 def generate(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],
-             params: SamplingParams | list[SamplingParams], prefill_chunk: int | None = None) -> list[Sequence]:
-    """Generate for a batch of prompts together; returns the finished sequences in prompt order."""
+             params: SamplingParams | list[SamplingParams], prefill_chunk: int | None = None,
+             speculative: SpecConfig | str | None = None, draft_model: GPT | None = None) -> list[Sequence]:
+    """Generate for a batch of prompts together; returns the finished sequences in prompt order. `speculative`:
+    `ngram` or `draft:CHECKPOINT` (or a SpecConfig; `draft_model` a loaded draft) gives the same tokens, sooner
+    where proposals hold (engine/spec_decode)."""
     seqs = make_sequences(model, tokenizer, prompts, params)
-    for _ in run(model, seqs, prefill_chunk):
+    for _ in run(model, seqs, prefill_chunk, speculative, draft_model):
         pass
     return seqs

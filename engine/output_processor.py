@@ -178,8 +178,9 @@ class OutputProcessor:
                         self._end(st, item, out.finish)
                     continue
                 st.queue.put_nowait(item)
+            last = len(out.token_ids) - 1  # several tokens when speculation verified proposals
             for i, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
-                ev = st.seq.append(token, logprob, out.finish)
+                ev = st.seq.append(token, logprob, out.finish if i == last else None)
                 n = len(st.seq.tokens)
                 top = None
                 if out.top is not None and st.top_n:

@@ -54,14 +54,18 @@ class EngineRequest:
     # it ends after its prefill, no token sampled (finish LENGTH). Such requests never reuse a cached prefix.
     prompt_logprobs: int | None = None
     structured: StructuredSpec | None = None  # constrain the output to this grammar
+    # False: never speculate for this request (when the core speculates: engine/spec_decode). Its tokens are the
+    # same either way; this only saves the proposals' work for a request known not to repeat itself
+    speculate: bool = True
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None = None,
                  top_n: int = 0, arrival: float = 0.0, deadline: float | None = None,
-                 prompt_logprobs: int | None = None, structured: StructuredSpec | None = None) -> None:
+                 prompt_logprobs: int | None = None, structured: StructuredSpec | None = None,
+                 speculate: bool = True) -> None:
         # (msgspec decodes the wire's copy without calling this: the fields above are the whole state)
         self.request_id, self.prompt, self.params = request_id, prompt, with_seed(params, seed)
         self.top_n, self.arrival, self.deadline = top_n, arrival, deadline
-        self.prompt_logprobs, self.structured = prompt_logprobs, structured
+        self.prompt_logprobs, self.structured, self.speculate = prompt_logprobs, structured, speculate
 
     @property
     def seed(self) -> int | None:

@@ -226,29 +226,41 @@ class Scheduler:
         return step
 
     def update(self, step: Step, draws) -> list[RequestOutput]:
-        """Record the sampled tokens (`draws[i]` for `step.sampled[i]`: .token, .logprob, .top); end the requests
-        that are done and move those whose prompt completed into the decoding batch."""
+        """Record the sampled tokens (`draws[i]` for `step.sampled[i]`: .token, .logprob, .top, or a list of them for
+        a row that verified proposals); end the requests that are done and move those whose prompt completed into
+        the decoding batch."""
         outputs = list(step.ended)
         joining: list[Running] = []
         completed = {id(r) for c in step.prefills if c.completes for r in c.reqs}
         done: list[Running] = []
-        for r, d in zip(step.sampled, draws):
+        for r, ds in zip(step.sampled, draws):
             if self.by_id.get(r.id) is not r:  # ended meanwhile (cannot happen within one step; kept safe)
                 continue
-            r.generated += 1
-            if self.prefix is not None:
-                r.out.append(d.token)
+            # a list: the tokens of a row whose proposals were verified (engine/core.py), in order; those after
+            # one that ends the request are dropped
+            ds = ds if isinstance(ds, list) else [ds]
             params = r.request.params
             finish = None
-            stop = getattr(d, "stop", False)  # its grammar is complete (engine/structured_output.py)
-            may_stop = r.generated > params.min_tokens  # the sampler suppresses stops until then
-            if d.token == self.eos_id and ((params.stop_at_eos and may_stop) or stop):
-                finish = FinishReason.EOS
-            elif stop or (params.stop_token_ids and d.token in params.stop_token_ids and may_stop):
-                finish = FinishReason.STOP
-            elif r.generated >= params.max_new_tokens:
-                finish = FinishReason.LENGTH
-            out = RequestOutput(r.id, [d.token], [d.logprob], [d.top] if r.request.top_n else None, finish)
+            out = RequestOutput(r.id, [], [], [] if r.request.top_n else None)
+            for d in ds:
+                r.generated += 1
+                if self.prefix is not None:
+                    r.out.append(d.token)
+                stop = getattr(d, "stop", False)  # its grammar is complete (engine/structured_output.py)
+                may_stop = r.generated > params.min_tokens  # the sampler suppresses stops until then
+                if d.token == self.eos_id and ((params.stop_at_eos and may_stop) or stop):
+                    finish = FinishReason.EOS
+                elif stop or (params.stop_token_ids and d.token in params.stop_token_ids and may_stop):
+                    finish = FinishReason.STOP
+                elif r.generated >= params.max_new_tokens:
+                    finish = FinishReason.LENGTH
+                out.token_ids.append(d.token)
+                out.logprobs.append(d.logprob)
+                if out.top is not None:
+                    out.top.append(d.top)
+                if finish is not None:
+                    break
+            out.finish = finish
             if r.generated == 1:
                 out.queue_s = max(0.0, (r.admitted_at or r.request.arrival) - r.request.arrival)
                 out.cached_tokens = r.cached

@@ -1,0 +1,244 @@
+"""Speculative decoding inside the engine core (engine/core.py's _verify, engine/spec_decode): the tokens, their
+log-probabilities and how each request ends are those of a run without speculation, greedy or seeded, alone or
+batched with requests that do not speculate; the cache holds what a full recompute gives; proposals are accepted
+(a test whose proposals all fail would prove nothing)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.core import EngineCore
+from engine.generate import generate
+from engine.request import EngineRequest, StructuredSpec
+from engine.sampling import SamplingParams
+from engine.spec_decode import parse_speculative
+from model.checkpoint import load_checkpoint
+from tests.helpers import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["ROMEO:\nWhat light", "First Citizen:\nBefore we proceed", "KING HENRY:\n", "the the the the",
+           "O Romeo, Romeo! wherefore art thou Romeo?", "a", "JULIET:\nGood night, good night!", "\n\n"]
+
+
+@pytest.fixture(scope="module")
+def ck():
+    """The bundled 4-layer model: its greedy text repeats itself, which prompt lookup catches."""
+    return load_checkpoint(REPO / "checkpoints" / "shakespeare")
+
+
+def make_core(ck, spec="off", n_slots=4, **kw) -> EngineCore:
+    return EngineCore(ck.model, n_slots=n_slots, vocab_size=ck.tokenizer.vocab_size, eos_id=ck.tokenizer.eot_id,
+                      speculative=parse_speculative(spec, **kw.pop("spec_kw", {})), pad_vocab=False, **kw)
+
+
+def drive(core: EngineCore, reqs: list[EngineRequest], on_step=None) -> dict[str, list]:
+    for r in reqs:
+        core.add(r)
+    out: dict[str, list] = {r.request_id: [] for r in reqs}
+    while core.has_work():
+        for o in core.step():
+            out[o.request_id].append(o)
+        if on_step is not None:
+            on_step(core, out)
+    return out
+
+
+def flat(outs) -> dict:
+    """Per request: token ids, logprobs, top alternatives, finish, in order (outputs joined)."""
+    res = {}
+    for rid, os_ in outs.items():
+        res[rid] = dict(tokens=[t for o in os_ for t in o.token_ids], logprobs=[x for o in os_ for x in o.logprobs],
+                        top=[x for o in os_ for x in (o.top or [])], finish=os_[-1].finish, error=os_[-1].error)
+    return res
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert a[rid]["tokens"] == b[rid]["tokens"], rid
+        assert a[rid]["finish"] == b[rid]["finish"], rid
+        assert a[rid]["logprobs"] == pytest.approx(b[rid]["logprobs"], abs=1e-4), rid
+        assert len(a[rid]["top"]) == len(b[rid]["top"])
+        for x, y in zip(a[rid]["top"], b[rid]["top"]):
+            assert [t for t, _ in x] == [t for t, _ in y]
+
+
+def reqs(ck, cases, speculate=None) -> list[EngineRequest]:
+    return [EngineRequest(str(i), ck.tokenizer.encode(p), SamplingParams(**kw), seed=kw.get("seed", i), top_n=2,
+                          speculate=True if speculate is None else speculate[i])
+            for i, (p, kw) in enumerate(cases)]
+
+
+def run_both(ck, cases, speculate=None, n_slots=4, **kw):
+    off = flat(drive(make_core(ck, "off", n_slots, **kw), reqs(ck, cases, speculate)))
+    core = make_core(ck, "ngram", n_slots, **kw)
+    on = flat(drive(core, reqs(ck, cases, speculate)))
+    return off, on, core.speculator
+
+
+@pytest.mark.parametrize("n_slots", [1, 4])
+def test_greedy_tokens_are_those_without_speculation(ck, n_slots):
+    cases = [(p, dict(max_new_tokens=60, temperature=0)) for p in PROMPTS]
+    off, on, spec = run_both(ck, cases, n_slots=n_slots)
+    assert_same(off, on)
+    assert spec.accepted > 20 and spec.proposed > spec.accepted  # accepted and rejected proposals both
+
+
+def test_batched_with_requests_that_do_not_speculate(ck):
+    cases = [(p, dict(max_new_tokens=50, temperature=0)) for p in PROMPTS[:4]]
+    cases += [(p, dict(max_new_tokens=40, temperature=0.8, seed=7)) for p in PROMPTS[4:6]]
+    off, on, spec = run_both(ck, cases, speculate=[True, False, True, False, True, False], n_slots=3)
+    assert_same(off, on)
+    assert spec.accepted > 0
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.8), dict(temperature=1.0, top_k=5), dict(temperature=0.7, top_p=0.8),
+    dict(temperature=0.5, top_k=20, top_p=0.9)])
+def test_seeded_sampling_is_identical(ck, kw):
+    cases = [(p, dict(max_new_tokens=60, seed=10 + i, **kw)) for i, p in enumerate(PROMPTS[:6])]
+    off, on, spec = run_both(ck, cases)
+    assert_same(off, on)
+    assert spec.accepted > 0
+
+
+@pytest.mark.parametrize("kw", [
+    dict(repetition_penalty=1.3), dict(presence_penalty=0.6, frequency_penalty=0.4),
+    dict(logit_bias={198: -5.0, 11: 3.0}), dict(min_tokens=30, stop_token_ids=[198, 11]),
+    dict(stop_token_ids=[0, 13]), dict(repetition_penalty=1.1, temperature=0.9, seed=3)])
+def test_penalties_bias_min_tokens_and_stop_ids_stay_exact(ck, kw):
+    cases = [(p, dict({"max_new_tokens": 60, "temperature": 0} | kw)) for p in PROMPTS[:5]]
+    off, on, spec = run_both(ck, cases)
+    assert_same(off, on)
+    assert spec.proposed > 0
+
+
+def test_max_new_tokens_and_eos_cut_a_verified_run(ck):
+    # short limits land inside accepted runs; the bundled model's text ends at <|endoftext|> sometimes
+    cases = [(p, dict(max_new_tokens=n, temperature=0)) for p in PROMPTS for n in (2, 3, 7)]
+    off, on, _ = run_both(ck, cases, n_slots=4)
+    assert_same(off, on)
+    assert all(len(v["tokens"]) <= 7 for v in on.values())
+
+
+def test_stop_strings_through_the_library(ck):
+    tok = ck.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS[:4]]
+    params = SamplingParams(max_new_tokens=80, temperature=0, stop=["\n\n", "the "])
+    off = generate(ck.model, tok, prompts, params)
+    on = generate(ck.model, tok, prompts, params, speculative=parse_speculative("ngram"))
+    assert [s.text for s in off] == [s.text for s in on]
+    assert [s.tokens for s in off] == [s.tokens for s in on]
+    assert [s.finish_reason for s in off] == [s.finish_reason for s in on]
+
+
+def test_grammar_masks_stay_exact(ck):
+    specs = [StructuredSpec("regex", r"([a-z]+ ){3,30}[a-z]+\."), StructuredSpec("choice", json.dumps(
+        ["to be or not to be, to be or not to be", "Romeo Romeo Romeo Romeo Romeo Romeo"])),
+        StructuredSpec("regex", r"(the ){2,40}end")]
+
+    def build(spec_name):
+        core = make_core(ck, spec_name, tokenizer=ck.tokenizer)
+        rs = [EngineRequest(str(i), ck.tokenizer.encode("the the the the " + p), SamplingParams(
+            max_new_tokens=60, temperature=t), seed=i, structured=s, top_n=1)
+            for i, (p, s, t) in enumerate([(p, s, t) for p in PROMPTS[:2] for s in specs for t in (0, 0.8)])]
+        return core, flat(drive(core, rs))
+
+    _, off = build("off")
+    core, on = build("ngram")
+    assert_same(off, on)
+    assert core.speculator.accepted > 0
+
+
+def kv_matches_recompute(core: EngineCore, model, slot: int, tokens: list[int]) -> None:
+    """The slot holds exactly len(tokens) entries, equal to a fresh prefill of those tokens."""
+    n = core.cache.lengths[slot]
+    assert n == len(tokens)
+    ref = EngineCore(model, n_slots=1, vocab_size=core.vocab_size, pad_vocab=False)
+    with torch.inference_mode():
+        model.forward_cached(torch.tensor([tokens]), ref.cache, [0])
+    for layer in range(len(core.cache.k)):
+        torch.testing.assert_close(core.cache.k[layer][slot, :, :n], ref.cache.k[layer][0, :, :n], atol=1e-4, rtol=0)
+        torch.testing.assert_close(core.cache.v[layer][slot, :, :n], ref.cache.v[layer][0, :, :n], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_the_cache_after_rejections_equals_a_full_recompute(ck, prefix_cache):
+    core = make_core(ck, "ngram", n_slots=3, prefix_cache=prefix_cache, min_prefix=4)
+    rs = reqs(ck, [(p, dict(max_new_tokens=70, temperature=0)) for p in PROMPTS[:3]])
+    checked = []
+
+    def check(core, out):
+        if core.speculator.steps == 0 or core.scheduler._ops:  # (slot moves still to be applied)
+            return
+        for r in core.scheduler.decoding:  # every decoding slot: prompt + output but the newest token
+            toks = [t for o in out[r.id] for t in o.token_ids]
+            kv_matches_recompute(core, ck.model, r.slot, r.request.prompt + toks[:-1])
+            checked.append(r.id)
+
+    drive(core, rs, check)
+    spec = core.speculator
+    assert spec.accepted > 10 and spec.proposed - spec.accepted > 3 and len(checked) > 20
+
+
+def test_an_abort_after_a_verified_step_leaves_a_reusable_prefix(ck):
+    """With prefix caching, a request aborted right after a step that accepted proposals (a stop string) leaves
+    its slot idle; a new request whose prompt extends what it generated reuses those entries and gets the tokens
+    of a run without speculation or caching."""
+    core = make_core(ck, "ngram", n_slots=2, prefix_cache=True, min_prefix=4)
+    prompt = ck.tokenizer.encode(PROMPTS[0])
+    core.add(EngineRequest("a", prompt, SamplingParams(max_new_tokens=100, temperature=0), seed=0))
+    got: list[int] = []
+    while True:
+        outs = core.step()
+        got += [t for o in outs for t in o.token_ids]
+        if any(len(o.token_ids) > 1 for o in outs) and len(got) > 20:
+            break
+    core.abort(["a"])
+    slot = core.scheduler.prefix.tokens.index(max(core.scheduler.prefix.tokens, key=len))
+    assert core.cache.lengths[slot] >= len(prompt) + len(got) - 1
+    kv_matches_recompute(core, ck.model, slot, (prompt + got)[:core.cache.lengths[slot]])
+    follow = prompt + got[:-3]
+    on = flat(drive(core, [EngineRequest("b", follow, SamplingParams(max_new_tokens=40, temperature=0), seed=0)]))
+    assert core.scheduler.hit_tokens >= len(follow) - 1 - 16
+    off = flat(drive(make_core(ck, "off", n_slots=1),
+                     [EngineRequest("b", follow, SamplingParams(max_new_tokens=40, temperature=0), seed=0)]))
+    assert on["b"]["tokens"] == off["b"]["tokens"]
+
+
+def test_speculation_turns_off_above_the_batch_limit(ck):
+    cases = [(p, dict(max_new_tokens=30, temperature=0)) for p in PROMPTS[:4]]
+    core = make_core(ck, "ngram", n_slots=4, spec_kw=dict(max_batch=2))
+    off = flat(drive(make_core(ck, "off"), reqs(ck, cases)))
+    on = flat(drive(core, reqs(ck, cases)))
+    assert_same(off, on)
+    # verified only once two or fewer requests were left
+    assert core.speculator.steps < 30
+
+
+def test_a_draft_model_gives_the_same_tokens(ck):
+    """Drafts: the target itself (nearly all accepted) and a random model of another shape (nearly none)."""
+    tok = ck.tokenizer
+    cases = [(p, dict(max_new_tokens=40, temperature=t, seed=5)) for p in PROMPTS[:4] for t in (0, 0.9)]
+    off = flat(drive(make_core(ck, "off"), reqs(ck, cases)))
+    other = tiny_model(1, vocab_size=tok.vocab_size, block_size=ck.config.block_size)
+    for draft in (load_checkpoint(REPO / "checkpoints" / "shakespeare").model, other):
+        core = make_core(ck, "draft:x", draft_model=draft)
+        on = flat(drive(core, reqs(ck, cases)))
+        assert_same(off, on)
+        assert core.speculator.proposed > 0
+        assert not core.speculator.draft.slot  # every request's draft slot was given back
+    assert core.speculator.accepted < core.speculator.proposed
+
+
+def test_a_draft_of_the_target_itself_accepts_greedy_proposals(ck):
+    core = make_core(ck, "draft:x", n_slots=1, draft_model=load_checkpoint(REPO / "checkpoints" / "shakespeare").model)
+    drive(core, reqs(ck, [(PROMPTS[1], dict(max_new_tokens=60, temperature=0))]))
+    s = core.speculator
+    assert s.accepted >= 0.9 * s.proposed and s.accepted > 30

@@ -1,0 +1,93 @@
+"""The parts of engine/spec_decode on their own: settings parsing (one-line errors), prompt lookup, the adaptive
+proposal length, the speculator's bookkeeping and the draft model's checks. Exactness inside the core is
+tests/test_engine_core_speculative.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.request import RequestOutput
+from engine.spec_decode import SpecError, Speculator, parse_speculative
+from engine.spec_decode.adaptive import FIRST_BACKOFF, PATIENCE, AdaptiveK
+from engine.spec_decode.draft import DraftError, check_draft
+from engine.spec_decode.ngram import NgramProposer
+from engine.stopping import FinishReason
+
+
+@pytest.mark.parametrize("value, method, draft", [
+    (None, "off", None), ("", "off", None), ("off", "off", None), ("ngram", "ngram", None), (" NGRAM ", "ngram", None),
+    ("draft:checkpoints/small", "draft", "checkpoints/small")])
+def test_methods_parse(value, method, draft):
+    c = parse_speculative(value)
+    assert (c.method, c.draft) == (method, draft)
+    assert c.enabled == (method != "off")
+
+
+@pytest.mark.parametrize("value, kw, words", [
+    ("medusa", {}, "unknown speculative method 'medusa'"), ("ngram:5", {}, "unknown speculative method"),
+    ("draft", {}, "needs a checkpoint"), ("draft:", {}, "needs a checkpoint"),
+    ("ngram", dict(k=0), "must be >= 1, got 0"), ("ngram", dict(ngram_min=3, ngram_max=2), "min <= max"),
+    ("ngram", dict(ngram_min=0), "min <= max"), ("ngram", dict(max_batch=0), "batch limit")])
+def test_bad_settings_are_one_line_errors(value, kw, words):
+    with pytest.raises(SpecError, match=words) as e:
+        parse_speculative(value, **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_recent_match():
+    p = NgramProposer(1, 3)
+    assert p.propose([1, 2, 3, 4, 5, 9, 2, 3], 3) == [4, 5, 9]  # "2 3" seen before: 4 5 9 followed
+    assert p.propose([1, 2, 3, 4, 5, 9, 2, 3], 10) == [4, 5, 9, 2, 3]  # up to the sequence's end
+    assert p.propose([7, 1, 8, 2, 1, 9, 2, 1], 2) == [9, 2]  # the longest match (2 1) beats the latest 1
+    assert p.propose([5, 1, 6, 1, 7, 1], 1) == [7]  # the most recent earlier occurrence
+    assert p.propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert p.propose([1, 2], 0) == []
+    assert NgramProposer(2, 3).propose([4, 1, 5, 1], 2) == []  # only a 1-gram matches: below min
+    # ids are packed as 4-byte words: a match straddling two ids is not a match
+    assert p.propose([0x0100, 0x0002, 0x0201, 0x0201], 1) == [0x0201]
+    assert p.propose([256, 1, 2, 65536 + 2], 2) == []
+
+
+def test_adaptive_k_shrinks_pauses_and_recovers():
+    a = AdaptiveK(4)
+    assert a.budget() == 4
+    a.observe(4, 1)
+    assert a.budget() == 2  # the run that held, and one more
+    a.observe(2, 2)
+    assert a.budget() == 4  # all held: doubles back up
+    for _ in range(PATIENCE):
+        a.observe(a.budget(), 0)
+    assert [a.budget() for _ in range(FIRST_BACKOFF)] == [0] * FIRST_BACKOFF  # paused
+    k = a.budget()
+    assert k == 1
+    a.observe(k, 0)  # the probe fails: a longer pause
+    assert [a.budget() for _ in range(2 * FIRST_BACKOFF)] == [0] * (2 * FIRST_BACKOFF)
+    a.observe(a.budget(), 1)  # an acceptance resets the pause
+    assert a.misses == 0 and a.backoff == FIRST_BACKOFF and a.budget() == 2  # (and it held in full)
+
+
+def test_the_speculator_follows_its_requests_and_counts():
+    s = Speculator(parse_speculative("ngram", k=3))
+    s.add("a", [1, 2, 3, 1, 2])
+    assert s.propose(["a", "b"], [5, 5]) == [[3, 1, 2], []]  # b does not speculate
+    assert s.propose(["a"], [1]) == [[3]]  # the limit (room, tokens left) caps it
+    s.observe("a", 3, 2)
+    s.record([RequestOutput("a", [3, 1], [0.0, 0.0])])
+    assert list(s.tokens["a"]) == [1, 2, 3, 1, 2, 3, 1]
+    st = s.stats()
+    assert (st["proposed_tokens"], st["accepted_tokens"], st["acceptance_rate"]) == (3, 2, 0.6667)
+    s.record([RequestOutput("a", [2], [0.0], finish=FinishReason.LENGTH)])
+    assert "a" not in s and not s.control
+
+
+def test_a_draft_needs_the_targets_tokenizer(byte_tokenizer, tmp_path):
+    from model.tokenizer import Tokenizer
+    from tests.helpers import write_byte_ranks
+
+    check_draft(byte_tokenizer, byte_tokenizer)
+    other = Tokenizer.from_ranks_file(write_byte_ranks(tmp_path / "o.tiktoken", [b"th", b"he", b" t", b"an"]))
+    smaller = Tokenizer.from_ranks_file(write_byte_ranks(tmp_path / "s.tiktoken", [b"th"]))
+    with pytest.raises(DraftError, match="another tokenizer"):
+        check_draft(byte_tokenizer, other)
+    with pytest.raises(DraftError, match="vocabulary of"):
+        check_draft(byte_tokenizer, smaller)

@@ -132,8 +132,10 @@ def fit_context(n_prompt: int, max_new: int | None, limits: Limits, prompt_field
     return max_new
 
 
-def encode(tokenizer: Tokenizer, text: str, field_name: str) -> list[int]:
-    ids = tokenizer.encode(text) if text else []
+def encode(tokenizer: Tokenizer, text: str, field_name: str, chat: bool = False) -> list[int]:
+    """chat: `text` is a rendered chat template, whose special tokens (`<|user|>`, ...) are parsed as such, as
+    transformers and vLLM tokenize a rendered template."""
+    ids = (tokenizer.encode_chat(text) if chat else tokenizer.encode(text)) if text else []
     if not ids:
         raise invalid(field_name, "must not be empty")
     return ids
@@ -339,7 +341,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits, 
     top_n = top_n if req.logprobs else 0  # top_logprobs counts only with logprobs (OpenAI's rule)
     structured = openai_structured(req, tokenizer)
     text = render_chat(req.messages, template)
-    ids = encode(tokenizer, text, "messages")
+    ids = encode(tokenizer, text, "messages", chat=True)
     n = req.n or 1
     check_choices(1, n, limits, "n")
     if req.max_completion_tokens is not None and req.max_tokens is not None and req.max_tokens > limits.max_new_tokens:

@@ -6,7 +6,10 @@ Writes what `GPT2LMHeadModel.from_pretrained` and `AutoTokenizer.from_pretrained
 config.json, model.safetensors (Conv1D weights transposed to (in, out), the head tied to
 the token embedding and not stored), and the tokenizer as vocab.json + merges.txt (GPT-2's
 byte-level BPE files), tokenizer.json (the same for the fast `tokenizers` backend),
-tokenizer_config.json and special_tokens_map.json, with `<|endoftext|>` as bos/eos/unk.
+tokenizer_config.json and special_tokens_map.json, with `<|endoftext|>` as bos/eos/unk, and a
+checkpoint's extra special tokens as added tokens. A chat fine-tune's template goes into tokenizer_config.json
+(`chat_template`) and its stop ids into generation_config.json (`eos_token_id`), so `apply_chat_template`
+and vLLM render and stop as our server does.
 The vocabulary and merges are converted from the tiktoken ranks (GPT-2's `r50k_base`, or
 the checkpoint's own `.tiktoken` file), so nothing is downloaded. The inverse of
 `python -m model.convert_hf`.
@@ -27,6 +30,15 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from model.chat_template import (
+    DEFAULT_TEMPLATE,
+    GENERATION_CONFIG,
+    JINJA_FILE,
+    TOKENIZER_CONFIG,
+    ChatTemplateError,
+    checkpoint_stop_tokens,
+    load_chat_template,
+)
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.config import GPTConfig
 from model.convert_hf import CONV1D
@@ -140,10 +152,14 @@ def ranks_to_bpe(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple[st
 
 
 def write_tokenizer(tokenizer: Tokenizer, out: Path, model_max_length: int,
-                    bpe: tuple[dict[str, int], list[tuple[str, str]]] | None = None) -> None:
+                    bpe: tuple[dict[str, int], list[tuple[str, str]]] | None = None,
+                    chat: dict[str, Any] | None = None) -> None:
     """vocab.json, merges.txt, tokenizer.json, tokenizer_config.json and special_tokens_map.json.
 
-    bpe: `ranks_to_bpe(tokenizer_ranks(tokenizer))` when already computed."""
+    bpe: `ranks_to_bpe(tokenizer_ranks(tokenizer))` when already computed. The tokenizer's extra special tokens
+    (a chat fine-tune's `<|user|>`, a task's `[Start]`) become added special tokens with their ids, so a
+    rendered template tokenizes to the same ids in transformers as in ours (Tokenizer.encode_chat). chat: the
+    checkpoint's chat template, bos and eos tokens (chat_settings), written into tokenizer_config.json."""
     vocab, merges = bpe or ranks_to_bpe(tokenizer_ranks(tokenizer))
     vocab = dict(vocab)
     eot = tokenizer.eot_id
@@ -162,17 +178,47 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path, model_max_length: int,
     fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's pattern
     fast.decoder = decoders.ByteLevel()
     fast.post_processor = processors.ByteLevel(trim_offsets=False)
-    fast.add_special_tokens([AddedToken(EOT, special=True, normalized=False)])
+    # the special tokens in id order: transformers gives each added token the next id, so they must follow the
+    # vocabulary without a gap (they do: Tokenizer.with_special_tokens hands out the next free ids)
+    specials = sorted(tokenizer.special_tokens.items(), key=lambda kv: kv[1])
+    for k, (name, i) in enumerate(specials):
+        if i != len(vocab) - 1 + k:
+            raise ExportError(f"tokenizer: special token {name!r} has id {i}, not the next free id "
+                              f"{len(vocab) - 1 + k}")
+    fast.add_special_tokens([AddedToken(name, special=True, normalized=False) for name, _ in specials])
     fast.save(str(out / "tokenizer.json"))
 
-    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
-    added = {str(eot): {"content": EOT, "lstrip": False, "normalized": False, "rstrip": False,
-                        "single_word": False, "special": True}}
+    chat = chat or {}
+    eos = chat.get("eos_token") or EOT
+    special = {"bos_token": chat.get("bos_token") or EOT, "eos_token": eos, "unk_token": EOT}
+    added = {str(i): {"content": name, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for name, i in specials}
+    extra = [name for name, _ in specials if name != EOT]
     config = {"tokenizer_class": "GPT2Tokenizer", **special, "add_bos_token": False, "add_prefix_space": False,
               "errors": "replace", "clean_up_tokenization_spaces": False, "model_max_length": model_max_length,
-              "added_tokens_decoder": added}
+              "added_tokens_decoder": added, **({"additional_special_tokens": extra} if extra else {}),
+              **({"chat_template": chat["chat_template"]} if chat.get("chat_template") else {})}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {**special, **({"additional_special_tokens": extra} if extra else {})}, indent=2) + "\n")
+
+
+def chat_settings(checkpoint: Path, tokenizer: Tokenizer) -> tuple[dict[str, Any] | None, list[int] | None]:
+    """The chat template (with its bos/eos tokens) the checkpoint carries, or None (a base model: the server's
+    transcript default is not exported); and the ids generation stops at (its generation_config.json)."""
+    template = None
+    if (checkpoint / JINJA_FILE).is_file() or (checkpoint / TOKENIZER_CONFIG).is_file():
+        try:
+            t = load_chat_template(checkpoint, EOT)
+        except ChatTemplateError as e:
+            raise ExportError(str(e)) from None
+        if t.source != DEFAULT_TEMPLATE:
+            template = {"chat_template": t.source, "bos_token": t.bos_token, "eos_token": t.eos_token}
+    stop_ids = None
+    if (checkpoint / GENERATION_CONFIG).is_file():
+        stops = checkpoint_stop_tokens(checkpoint, EOT)
+        stop_ids = sorted({tokenizer.eot_id, *(tokenizer.special_tokens[s] for s in stops)})
+    return template, stop_ids
 
 
 # --------------------------------------------------------------------------- export
@@ -189,7 +235,11 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_file(hf_state(ck.model.state_dict()), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_tokenizer(ck.tokenizer, out, ck.config.block_size, bpe)
+    chat, stop_ids = chat_settings(ck.path, ck.tokenizer)
+    write_tokenizer(ck.tokenizer, out, ck.config.block_size, bpe, chat)
+    if stop_ids is not None:  # transformers' generate and vLLM stop at any of eos_token_id
+        gen = {"bos_token_id": ck.tokenizer.eot_id, "eos_token_id": stop_ids}
+        (out / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
     return out
 
 

@@ -8,7 +8,7 @@ Two kinds, both byte-level BPE with GPT-2's pre-tokenization and `<|endoftext|>`
 Either may carry extra special tokens after its own (a fine-tuned checkpoint's `[Start]`, `[Delim]`,
 `[Extract]`, model/task_head.py): the spec then has `"special_tokens": {"[Start]": id, ...}`. Encoding text
 never produces them (written in the text, they are plain text); they are ids a caller inserts, and decode
-to their names.
+to their names — except in a rendered chat template (`encode_chat`), whose special tokens are parsed.
 """
 
 from __future__ import annotations
@@ -98,6 +98,12 @@ class Tokenizer:
         if allow_special:
             return self.encoding.encode(text, allowed_special={EOT}, disallowed_special=())
         return self.encoding.encode(text, disallowed_special=())
+
+    def encode_chat(self, text: str) -> list[int]:
+        """A rendered chat template: every special token written in the text (`<|endoftext|>` and the extra
+        ones, e.g. a chat fine-tune's `<|user|>`) is that token, as transformers' apply_chat_template and vLLM
+        parse a rendered template. A user's message that spells one gets it too, as there."""
+        return self.encoding.encode(text, allowed_special="all")
 
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
         return self.encoding.encode_ordinary_batch(texts)

@@ -312,6 +312,9 @@ class FinetuneConfig(TrainConfig):
     max_iters: int = 300
     eval_interval: int = 50
     sample_tokens: int = 0  # a short sample per evaluation shows the body still generates; 0 = none
+    # --task chat: a conversation longer than block_size + 1 tokens is dropped, or cut to its first block_size + 1
+    # (training/chat_data.py); either is counted in the log
+    overlong: Literal["drop", "truncate"] = "drop"
 
     def range_errors(self) -> list[str]:
         errs = super().range_errors()

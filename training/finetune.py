@@ -1,12 +1,16 @@
 """Supervised task fine-tuning of a pre-trained GPT (GPT-1, section 3.2): a linear head W_y on the [Extract]
 state and L = L_task + λ·L_LM, the language-modelling loss on the same sequences' text tokens kept as an
-auxiliary objective (λ = --lm-weight, the config's lm_weight).
+auxiliary objective (λ = --lm-weight, the config's lm_weight). `--task chat` is chat supervised fine-tuning
+instead (training/chat_finetune.py): conversations in OpenAI's fine-tuning format, rendered with a chat
+template, the loss on the assistant's tokens only.
 
 Usage::
 
     python -m training.finetune --init-from checkpoints/shakespeare --task classification \\
         --train train.jsonl --val val.jsonl --out runs/speakers [--lm-weight 0.5] [--config FILE] [--set k=v]
     python -m training.finetune ... --out runs/speakers --resume        # continue OUT/last exactly
+    python -m training.finetune --init-from checkpoints/shakespeare --task chat --train chats.jsonl \
+        --val val.jsonl --out runs/chat [--chat-template FILE.jinja]
 
 The task kinds, their input encodings and the head are model/task_head.py; the JSONL formats
 training/task_data.py. Adds the special tokens [Start] [Delim] [Extract] to the tokenizer, with new embedding
@@ -32,9 +36,12 @@ from typing import Any
 import torch
 
 from model.checkpoint import CheckpointError
+from model.gpt import GPT
 from model.task_head import KINDS, Task, TaskError, TaskModel, add_task_tokens, load_task
 from model.tokenizer import TokenizerError
 from training.build_model import init_model, resume_model
+from training.chat_data import ChatDataError
+from training.chat_finetune import CHAT, run_chat
 from training.checkpoints import LAST, load_resume, seed_or_restore_rngs
 from training.config import ConfigError, FinetuneConfig, build_config
 from training.distributed import setup_distributed
@@ -63,9 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                + ", ".join(f"{k}={json.dumps(v)}" for k, v in FinetuneConfig().to_dict().items())
                + ". JSONL lines: classification {\"text\", \"label\"}; entailment {\"premise\", \"hypothesis\", "
                "\"label\"}; similarity {\"text_a\", \"text_b\", \"label\"}; multiple_choice {\"context\", "
-               "\"answers\": [...], \"label\": index}. Exit status: 0 on success, 2 on a user error, 130 when "
+               "\"answers\": [...], \"label\": index}; chat {\"messages\": [{\"role\", \"content\", \"weight\"}, "
+               "...]} or {\"prompt\", \"completion\"}. Exit status: 0 on success, 2 on a user error, 130 when "
                "interrupted.")
-    p.add_argument("--task", choices=KINDS, help="the task kind (required unless --resume)")
+    p.add_argument("--task", choices=(*KINDS, CHAT), help="the task kind (required unless --resume); chat: "
+                                                          "conversations, loss on the assistant's tokens")
     p.add_argument("--train", required=True, metavar="FILE.jsonl", help="training examples")
     p.add_argument("--val", required=True, metavar="FILE.jsonl", help="validation examples")
     p.add_argument("--out", required=True, metavar="DIR", help="run directory for checkpoints and logs")
@@ -74,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", action="store_true", help="continue exactly from OUT/last (optimizer, step, RNG)")
     p.add_argument("--lm-weight", type=float, metavar="λ", help="weight of the auxiliary LM loss (config "
                                                                   "lm_weight; 0 = task loss only)")
+    p.add_argument("--chat-template", metavar="FILE.jinja", help="--task chat: the Jinja chat template to "
+                   "train with (default: the checkpoint's own, else the <|role|> template of docs/training.md)")
     p.add_argument("--config", metavar="FILE", help="a .json or .toml file of FinetuneConfig keys")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key (repeatable), e.g. --set max_iters=300")
@@ -85,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> TaskModel:
-    """Fine-tune; returns the trained body and head (this rank's copy, unwrapped)."""
+def run(args: argparse.Namespace) -> TaskModel | GPT:
+    """Fine-tune; returns the trained body and head, or the chat model (this rank's copy, unwrapped)."""
     out = Path(args.out)
     overrides = [*args.set, *(["tensorboard=true"] if args.tensorboard else []),
                  *([f"lm_weight={args.lm_weight}"] if args.lm_weight is not None else [])]
@@ -95,13 +106,13 @@ def run(args: argparse.Namespace) -> TaskModel:
         state, cfg = load_resume(out, args.config, overrides, cls=FinetuneConfig)
         saved = state.get("run_meta", {})
         kind = saved.get("task")
-        if kind not in KINDS:
+        if kind not in (*KINDS, CHAT):
             raise TrainError(f"--resume: {out / LAST} is not a fine-tuning run")
         if args.task is not None and args.task != kind:
             raise TrainError(f"--resume: the run fine-tunes a {kind} task, not {args.task}")
     else:
         if args.task is None:
-            raise TrainError("--task is required (one of " + ", ".join(KINDS) + ")")
+            raise TrainError("--task is required (one of " + ", ".join((*KINDS, CHAT)) + ")")
         kind = args.task
         cfg = build_config(file=args.config, overrides=overrides, cls=FinetuneConfig)
         if (out / LAST).exists() and not args.overwrite:
@@ -109,6 +120,13 @@ def run(args: argparse.Namespace) -> TaskModel:
                              "--overwrite to start again, or choose another --out")
     if cfg.tensorboard:
         summary_writer_class()
+    if kind == CHAT:
+        if args.lm_weight is not None:
+            raise TrainError("--lm-weight is for the classification tasks; --task chat learns the assistant's "
+                             "tokens only")
+        return run_chat(args, cfg, state)
+    if args.chat_template is not None:
+        raise TrainError("--chat-template is for --task chat")
     train_file, val_file = read_task_file(args.train, kind), read_task_file(args.val, kind)
     if state is not None:
         for f, key in ((train_file, "train_sha256"), (val_file, "val_sha256")):
@@ -158,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run(args)
-    except (TrainError, ConfigError, TaskDataError, TaskError, CheckpointError, TokenizerError) as e:
+    except (TrainError, ConfigError, TaskDataError, ChatDataError, TaskError, CheckpointError, TokenizerError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

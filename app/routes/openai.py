@@ -318,7 +318,8 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep) -> dict:
     else:
         raise invalid("prompt", "is required (or messages)")
     # add_special_tokens (vLLM's, default true) adds nothing here: like GPT-2's, these tokenizers add no BOS/EOS
-    ids = service.tokenizer.encode(text) if text else []
+    tok = service.tokenizer
+    ids = (tok.encode_chat(text) if body.messages is not None else tok.encode(text)) if text else []
     return {"count": len(ids), "max_model_len": service.limits.block_size, "tokens": ids}
 
 

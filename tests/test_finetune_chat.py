@@ -229,6 +229,16 @@ def test_few_steps_learn_and_the_checkpoint_carries_template_and_stop(tmp_path, 
     assert t.source == SFT_TEMPLATE and t.stop == [] and not t.lstrip_reply
     assert json.loads((out / "best" / "generation_config.json").read_text()) == {"eos_token_id": [258]}
 
+    # the demonstration's measurements (training/measure_chat.py) run on it
+    from training.measure_chat import compare_loss, throughput
+
+    res = compare_loss(str(files["base"]), str(out / "best"), str(files["val"]))
+    assert res["conversations"] == 24 and res["tuned"]["nats_per_token"] < res["base"]["nats_per_token"]
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(WORDS * 20))
+    speed = throughput(str(files["base"]), str(files["train"]), str(text), rounds=1, steps=2, batch_size=4)
+    assert speed["chat_positions_per_s"] > 0 and 0 < speed["learned_fraction"] < 1
+
 
 def test_a_chatml_template_adds_its_tokens_and_stops_at_im_end(tmp_path, files):
     tpl = tmp_path / "chatml.jinja"

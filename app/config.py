@@ -9,10 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.sizing import parse_memory
+from engine.spec_decode.config import (
+    DEFAULT_K,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_NGRAM_MAX,
+    DEFAULT_NGRAM_MIN,
+    parse_speculative,
+)
 from model.device import device_name, dtype_name
 
 
@@ -93,6 +100,18 @@ class Settings(BaseSettings):
     chat_template: Path | None = Field(None, description="a Jinja chat template file for /v1/chat/completions "
                                        "(default: the checkpoint's chat_template.jinja or tokenizer_config.json, "
                                        "else the You:/Model: transcript)")
+    speculative: str = Field("off", description="speculative decoding: off, ngram (prompt lookup: proposes what "
+                             "followed the sequence's last n-gram earlier in prompt or output) or draft:CHECKPOINT (a "
+                             "smaller model with the same tokenizer proposes greedily). Proposals are verified "
+                             "exactly: the tokens are those without speculation, sooner where proposals hold")
+    num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=64, description="most tokens proposed per request "
+                                        "and step (fewer for a request whose proposals fail)")
+    speculative_ngram_min: int = Field(DEFAULT_NGRAM_MIN, ge=1, description="shortest n-gram prompt lookup matches")
+    speculative_ngram_max: int = Field(DEFAULT_NGRAM_MAX, ge=1, description="longest n-gram prompt lookup tries "
+                                       "first")
+    speculative_max_batch: int = Field(DEFAULT_MAX_BATCH, ge=1, description="no speculation in a step decoding "
+                                       "more requests than this (a large batch is compute-bound: extra positions "
+                                       "cost more than they save)")
     sse_ping_s: float = Field(15.0, ge=0, description="seconds without an event before a stream gets a "
                                                       "': ping' comment (0: never)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
@@ -101,6 +120,19 @@ class Settings(BaseSettings):
     @classmethod
     def _device(cls, v: str) -> str:
         return device_name(v)  # model.device: the parser the CLIs and training share
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative(cls, v: str) -> str:
+        parse_speculative(v)  # SpecError (a ValueError): an unknown method, draft without a checkpoint
+        return v.strip()
+
+    @model_validator(mode="after")
+    def _ngram_sizes(self) -> Settings:
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError(f"speculative_ngram_min ({self.speculative_ngram_min}) must be <= speculative_ngram_max "
+                             f"({self.speculative_ngram_max})")
+        return self
 
     @field_validator("kv_cache_memory")
     @classmethod

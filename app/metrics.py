@@ -43,6 +43,20 @@ class EngineCollector:
                                 "from the prefix cache", value=hit / (hit + computed) if hit + computed else 0.0)
         yield CounterMetricFamily("gpt_generated_tokens", "Tokens generated", value=s.get("generated_tokens", 0))
         yield CounterMetricFamily("gpt_decode_steps", "Engine decode steps", value=s.get("decode_steps", 0))
+        spec = s.get("speculative")
+        if spec:  # speculative decoding is on (GPT_SPECULATIVE): proposals and how many the target's draws kept
+            method = spec.get("method", "")
+            for name, key, text in (
+                    ("gpt_spec_proposed_tokens", "proposed_tokens", "Tokens proposed by speculative decoding"),
+                    ("gpt_spec_accepted_tokens", "accepted_tokens", "Proposed tokens that were the target's own "
+                                                                   "draws (emitted without a step of their own)")):
+                m = CounterMetricFamily(name, text, labels=["method"])
+                m.add_metric([method], spec.get(key, 0))
+                yield m
+            rate = GaugeMetricFamily("gpt_spec_acceptance_rate", "Share of proposed tokens accepted, since start",
+                                     labels=["method"])
+            rate.add_metric([method], spec.get("acceptance_rate") or 0.0)
+            yield rate
         yield GaugeMetricFamily("gpt_queue_size", "Requests waiting for a KV-cache slot", value=s.get("queued", 0))
         yield GaugeMetricFamily("gpt_batch_size", "Sequences holding a KV-cache slot (prefilling or decoding)",
                                 value=s.get("running", 0))

@@ -3,6 +3,7 @@
 - `request`: what goes in and comes out (EngineRequest, RequestOutput, error kinds); `sampling`: the parameters,
   their bounds and the device-side sampler; `stopping`: stop ids and strings; `structured_output`: grammar masks.
 - `scheduler` (with `prefix_cache`) decides each step; `core` (EngineCore) runs it: schedule → execute → update;
+  `spec_decode` proposes tokens (prompt lookup, a draft model) that the core verifies exactly in its decode pass;
   `cuda_graphs` replays decode steps on a GPU; `sizing` turns memory settings into KV-cache slots.
 - `core_process` runs the core in its own process, `core_loop` is its busy loop, `wire` the messages, `client`
   the fronts' handle on it, `output_processor` the one loop over its outputs (detokenizing, stop strings).

@@ -101,7 +101,7 @@ class EngineCore:
         # prompt log-probabilities of the requests that asked, from admission to their first output
         # (the piece size is read from this module when a core is made: tests set a smaller one here)
         self._scores = PromptScorer(vocab_size, piece=PROMPT_LOGPROBS_PIECE)
-        self.speculator = self._make_speculator(speculative, draft_model)
+        self.speculator = self._make_speculator(speculative, draft_model, prepack, quantize, int4_group)
 
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
@@ -227,7 +227,8 @@ class EngineCore:
         return draws
 
     # ------------------------------------------------------------------ speculative decoding
-    def _make_speculator(self, config: SpecConfig | None, draft_model: GPT | None) -> Speculator | None:
+    def _make_speculator(self, config: SpecConfig | None, draft_model: GPT | None, prepack: bool, quantize: str,
+                         int4_group: int) -> Speculator | None:
         if config is None or not config.enabled:
             return None
         draft = None
@@ -236,6 +237,10 @@ class EngineCore:
 
             if draft_model is None:
                 raise ValueError("speculative method draft needs the draft model (draft_model)")
+            if quantize != "none" or (prepack and self.device.type == "cpu"):  # the draft in the target's format
+                convert(draft_model, quantize, int4_group)
+                if self.device.type == "cpu":
+                    tune(draft_model)
             draft = DraftProposer(draft_model, self.n_slots, self.vocab_size, max_len=self.max_len)
         return Speculator(config, draft)
 
@@ -349,6 +354,15 @@ class EngineCore:
                 if self.device.type == "cpu":  # one row alone: a CPU picks its one-row matmul library per weight
                     # here (model.gpt.linear), not during the first request
                     self.model.forward_cached(self.sampler.last[:1, None], self.cache, range(1))
+                spec = self.speculator
+                if spec is not None and self.max_len >= spec.config.k + 4:  # a verification pass's shape (one row,
+                    # 1 + k positions, under a mask) and the draft's passes, before the first request needs them
+                    k = spec.config.k
+                    self.model.forward_cached(self.sampler.last[:1, None].expand(1, k + 1).contiguous(), self.cache,
+                                              range(1), all_logits=True)
+                    if spec.draft is not None:
+                        spec.draft.propose([("warm-up", [0, 0], k)])
+                        spec.draft.drop("warm-up")
                 # the longest prompt one step prefills, once (vLLM's start-up profile run does the same): the heap
                 # grows to it here, not during the first long request (the core process keeps freed memory,
                 # engine/core_process.py). GPT-2 124M, 2 CPU cores: +0.6 s of start-up; a fresh server's first

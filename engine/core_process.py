@@ -60,6 +60,11 @@ class CoreConfig:
     warmup: bool = True
     cuda_graphs: bool | None = None
     log_level: str = "info"
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 4
+    speculative_max_batch: int = 4
 
     @classmethod
     def from_settings(cls, s) -> CoreConfig:
@@ -204,13 +209,14 @@ def build_core(cfg: CoreConfig, loaded=None):
         raise StartupError(str(e)) from None
     slots = plan.slots
     n_params = ckpt.model.num_params()
+    spec, draft = speculation(cfg, ckpt, device, dtype)
     try:
         core = EngineCore(ckpt.model, n_slots=slots, vocab_size=ckpt.tokenizer.vocab_size,
                           eos_id=ckpt.tokenizer.eot_id, prefill_chunk=cfg.prefill_chunk,
                           idle_prefill_chunk=cfg.idle_prefill_chunk, cuda_graphs=cfg.cuda_graphs,
                           prefix_cache=cfg.prefix_cache, min_prefix=cfg.prefix_cache_min_tokens,
                           prepack=cfg.prepack_weights, quantize=cfg.quantize, int4_group=cfg.int4_group_size,
-                          kv_dtype=kv_dtype,
+                          kv_dtype=kv_dtype, speculative=spec, draft_model=draft,
                           tokenizer=ckpt.tokenizer)  # structured output compiles grammars against it
     except FormatError as e:
         raise StartupError(f"cannot serve {cfg.checkpoint} as {cfg.quantize} (--quantize): {e}") from None
@@ -226,12 +232,33 @@ def build_core(cfg: CoreConfig, loaded=None):
                             "kernels": {f"{o}x{i}": k for (o, i), k in core.kernels.items()},
                             "dtype_choice": serving_dtype(cfg, device, dtype)[1],
                             "torch_threads": torch.get_num_threads() if device.type == "cpu" else None,
-                            "task": {"kind": task.kind, "labels": task.labels} if task is not None else None}
+                            "task": {"kind": task.kind, "labels": task.labels} if task is not None else None,
+                            "speculative": None if spec is None else {
+                                "method": spec.method, "draft": spec.draft, "num_speculative_tokens": spec.k,
+                                "ngram_min": spec.ngram_min, "ngram_max": spec.ngram_max,
+                                "max_batch": spec.max_batch}}
     classify = None
     if task is not None:
         def classify(items: list) -> list[dict[str, float]]:
             return task.predict(ckpt.model, ckpt.tokenizer, items)
     return core, info, classify
+
+
+def speculation(cfg: CoreConfig, ckpt, device, dtype):
+    """The speculative decoding settings as the core takes them: (SpecConfig or None when off, the draft model or
+    None); StartupError with a one-line reason for bad ones (an unknown method, a draft with another tokenizer)."""
+    from engine.spec_decode import parse_speculative
+    from engine.spec_decode.draft import load_draft
+
+    try:
+        spec = parse_speculative(cfg.speculative, cfg.num_speculative_tokens, cfg.speculative_ngram_min,
+                                 cfg.speculative_ngram_max, cfg.speculative_max_batch)
+        if not spec.enabled:
+            return None, None
+        draft = load_draft(spec.draft, ckpt.tokenizer, device, dtype) if spec.method == "draft" else None
+    except ValueError as e:  # SpecError, DraftError
+        raise StartupError(f"speculative decoding (--speculative): {e}") from None
+    return spec, draft
 
 
 # ---------------------------------------------------------------------------------------------- the child

@@ -134,6 +134,8 @@ def speculation(model: GPT, tokenizer: Tokenizer, speculative: SpecConfig | str 
     if speculative is None:
         return None, None
     config = parse_speculative(speculative) if isinstance(speculative, str) else speculative.check()
+    if not config.enabled:
+        return None, None
     if config.method == "draft" and draft_model is None:
         from engine.spec_decode.draft import load_draft
 

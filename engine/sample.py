@@ -2,6 +2,7 @@
 
     python -m engine.sample --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
                            [--top-k K] [--top-p P] [--seed S] [--num-samples N] [--interactive]
+                           [--speculative ngram|draft:CHECKPOINT] [--num-speculative-tokens K]
 
 Prints only the continuation on stdout (the prompt is not echoed); `--interactive`
 opens a `You:` / `Model:` chat loop over one growing transcript. Ctrl-C during a reply
@@ -15,9 +16,10 @@ import argparse
 import os
 import sys
 
-from engine.generate import stream_generate
+from engine.generate import speculation, stream_generate
 from engine.request import check_context
 from engine.sampling import SamplingParams
+from engine.spec_decode import parse_speculative
 from model.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from model.device import resolve_device, resolve_dtype
 
@@ -55,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16")
     ap.add_argument("--interactive", action="store_true", help="chat loop: You: / Model:")
+    ap.add_argument("--speculative", default="off",
+                    help="off | ngram | draft:CHECKPOINT: speculative decoding (the same text, sooner where "
+                         "proposals hold)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4, help="most tokens proposed per step")
     return ap
 
 
@@ -62,7 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def stream_text(ck: Checkpoint, prompt_ids: list[int], params: SamplingParams, out: list[str] | None = None) -> str:
+def stream_text(ck: Checkpoint, prompt_ids: list[int], params: SamplingParams, out: list[str] | None = None,
+                spec: tuple = (None, None)) -> str:
     """Generate and print the continuation as it arrives; return it.
 
     Each piece is also appended to `out` as it is printed, so a caller interrupted mid-reply
@@ -70,7 +77,7 @@ def stream_text(ck: Checkpoint, prompt_ids: list[int], params: SamplingParams, o
     interruption stops the generation itself, not only the printing.
     """
     out = [] if out is None else out
-    events = stream_generate(ck.model, ck.tokenizer, [prompt_ids], params)
+    events = stream_generate(ck.model, ck.tokenizer, [prompt_ids], params, speculative=spec[0], draft_model=spec[1])
     try:
         for _, ev in events:
             if ev.text:
@@ -82,7 +89,7 @@ def stream_text(ck: Checkpoint, prompt_ids: list[int], params: SamplingParams, o
     return "".join(out)
 
 
-def chat(ck: Checkpoint, params: SamplingParams) -> None:
+def chat(ck: Checkpoint, params: SamplingParams, spec: tuple = (None, None)) -> None:
     """Keep one transcript; each turn appends `You: ...` and lets the model write the `Model:` line.
 
     Ctrl-C during a reply cuts it short (what was shown stays in the transcript) and asks again;
@@ -104,7 +111,7 @@ def chat(ck: Checkpoint, params: SamplingParams) -> None:
         sys.stdout.write("Model:")
         reply: list[str] = []
         try:
-            stream_text(ck, ids, params, reply)
+            stream_text(ck, ids, params, reply, spec)
         except KeyboardInterrupt:
             pass  # the reply stops here; the chat goes on
         transcript += "".join(reply) + "\n"
@@ -121,15 +128,16 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"num_samples must be at least 1, got {args.num_samples}")
         device = resolve_device(args.device)
         ck = load_checkpoint(args.checkpoint, device, resolve_dtype(args.dtype, device))
+        spec = speculation(ck.model, ck.tokenizer, parse_speculative(args.speculative, args.num_speculative_tokens))
         if args.interactive:
             check_context(1, params.max_new_tokens, ck.config.block_size)  # a turn of one token must fit
-            chat(ck, params)
+            chat(ck, params, spec)
             return 0
         ids = ck.tokenizer.encode(args.prompt) if args.prompt else [ck.tokenizer.eot_id]
         for i in range(args.num_samples):
             if args.seed is not None:
                 params.seed = args.seed + i
-            stream_text(ck, ids, params)
+            stream_text(ck, ids, params, spec=spec)
             print()
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

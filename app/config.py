@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.sizing import parse_memory
 from engine.spec_decode.config import (
+    DEFAULT_DRAFT_P_MIN,
     DEFAULT_K,
     DEFAULT_MAX_BATCH,
     DEFAULT_NGRAM_MAX,
@@ -112,6 +113,9 @@ class Settings(BaseSettings):
     speculative_max_batch: int = Field(DEFAULT_MAX_BATCH, ge=1, description="no speculation in a step decoding "
                                        "more requests than this (a large batch is compute-bound: extra positions "
                                        "cost more than they save)")
+    speculative_draft_p_min: float = Field(DEFAULT_DRAFT_P_MIN, ge=0, lt=1, description="a draft model's proposal "
+                                           "ends at a token the draft gives less probability than this (llama.cpp's "
+                                           "--draft-p-min)")
     sse_ping_s: float = Field(15.0, ge=0, description="seconds without an event before a stream gets a "
                                                       "': ping' comment (0: never)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"

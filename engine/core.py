@@ -241,7 +241,8 @@ class EngineCore:
                 convert(draft_model, quantize, int4_group)
                 if self.device.type == "cpu":
                     tune(draft_model)
-            draft = DraftProposer(draft_model, self.n_slots, self.vocab_size, max_len=self.max_len)
+            draft = DraftProposer(draft_model, self.n_slots, self.vocab_size, max_len=self.max_len,
+                                  p_min=config.draft_p_min)
         return Speculator(config, draft)
 
     def _proposals(self, decode) -> list[list[int]] | None:

@@ -65,6 +65,7 @@ class CoreConfig:
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
     speculative_max_batch: int = 4
+    speculative_draft_p_min: float = 0.0
 
     @classmethod
     def from_settings(cls, s) -> CoreConfig:
@@ -236,7 +237,7 @@ def build_core(cfg: CoreConfig, loaded=None):
                             "speculative": None if spec is None else {
                                 "method": spec.method, "draft": spec.draft, "num_speculative_tokens": spec.k,
                                 "ngram_min": spec.ngram_min, "ngram_max": spec.ngram_max,
-                                "max_batch": spec.max_batch}}
+                                "max_batch": spec.max_batch, "draft_p_min": spec.draft_p_min}}
     classify = None
     if task is not None:
         def classify(items: list) -> list[dict[str, float]]:
@@ -252,7 +253,7 @@ def speculation(cfg: CoreConfig, ckpt, device, dtype):
 
     try:
         spec = parse_speculative(cfg.speculative, cfg.num_speculative_tokens, cfg.speculative_ngram_min,
-                                 cfg.speculative_ngram_max, cfg.speculative_max_batch)
+                                 cfg.speculative_ngram_max, cfg.speculative_max_batch, cfg.speculative_draft_p_min)
         if not spec.enabled:
             return None, None
         draft = load_draft(spec.draft, ckpt.tokenizer, device, dtype) if spec.method == "draft" else None

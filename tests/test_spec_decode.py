@@ -27,7 +27,8 @@ def test_methods_parse(value, method, draft):
     ("medusa", {}, "unknown speculative method 'medusa'"), ("ngram:5", {}, "unknown speculative method"),
     ("draft", {}, "needs a checkpoint"), ("draft:", {}, "needs a checkpoint"),
     ("ngram", dict(k=0), "must be >= 1, got 0"), ("ngram", dict(ngram_min=3, ngram_max=2), "min <= max"),
-    ("ngram", dict(ngram_min=0), "min <= max"), ("ngram", dict(max_batch=0), "batch limit")])
+    ("ngram", dict(ngram_min=0), "min <= max"), ("ngram", dict(max_batch=0), "batch limit"),
+    ("draft:x", dict(draft_p_min=1.0), "probability floor")])
 def test_bad_settings_are_one_line_errors(value, kw, words):
     with pytest.raises(SpecError, match=words) as e:
         parse_speculative(value, **kw)
@@ -62,6 +63,9 @@ def test_adaptive_k_shrinks_pauses_and_recovers():
     assert k == 1
     a.observe(k, 0)  # the probe fails: a longer pause
     assert [a.budget() for _ in range(2 * FIRST_BACKOFF)] == [0] * (2 * FIRST_BACKOFF)
+    a.observe(0, 0)  # a draft that came back with nothing (it cost a pass) is a miss too
+    assert a.paused and a.budget() == 0  # (right after a failed probe: it pauses again)
+    a.paused = 0
     a.observe(a.budget(), 1)  # an acceptance resets the pause
     assert a.misses == 0 and a.backoff == FIRST_BACKOFF and a.budget() == 2  # (and it held in full)
 

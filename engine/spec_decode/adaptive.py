@@ -31,7 +31,9 @@ class AdaptiveK:
         return self.k
 
     def observe(self, proposed: int, accepted: int) -> None:
+        """`proposed` 0: a proposer that costs a pass (a draft model) came back with nothing: a miss too."""
         if proposed <= 0:
+            self._miss()
             return
         if accepted >= proposed:
             self.k = min(self.k_max, 2 * self.k)
@@ -40,6 +42,9 @@ class AdaptiveK:
         if accepted:
             self.misses, self.backoff = 0, FIRST_BACKOFF
             return
+        self._miss()
+
+    def _miss(self) -> None:
         self.misses += 1
         if self.misses >= PATIENCE:
             self.paused = self.backoff

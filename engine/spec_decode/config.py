@@ -13,6 +13,11 @@ DEFAULT_NGRAM_MIN, DEFAULT_NGRAM_MAX = 2, 4  # vLLM's prompt_lookup_min / prompt
 # the largest decode batch that still speculates: above it a step is compute-bound more than read-bound, and every row
 # of the padded verification pass pays for k + 1 positions (docs/api.md, speculative decoding)
 DEFAULT_MAX_BATCH = 4
+# a draft token the draft itself gives less probability than this ends its proposal (llama.cpp's --draft-p-min).
+# Off by default: how sure a draft is says little across models (random GPT-2's 2-block draft is never 0.5 sure of
+# a token yet agrees with the target 79% of the time: 1.71x at 0, 0.71x at 0.5; the bundled model's 1-layer draft
+# gains a little from 0.5), and AdaptiveK already shortens proposals that fail
+DEFAULT_DRAFT_P_MIN = 0.0
 METHODS = ("off", "ngram", "draft")
 
 
@@ -28,6 +33,7 @@ class SpecConfig:
     ngram_min: int = DEFAULT_NGRAM_MIN
     ngram_max: int = DEFAULT_NGRAM_MAX
     max_batch: int = DEFAULT_MAX_BATCH  # no speculation in a step decoding more requests than this
+    draft_p_min: float = DEFAULT_DRAFT_P_MIN
 
     @property
     def enabled(self) -> bool:
@@ -46,15 +52,18 @@ class SpecConfig:
                             f"max {self.ngram_max}")
         if self.max_batch < 1:
             raise SpecError(f"the speculative batch limit must be >= 1, got {self.max_batch}")
+        if not 0.0 <= self.draft_p_min < 1.0:
+            raise SpecError(f"the draft's probability floor must be in [0, 1), got {self.draft_p_min}")
         return self
 
 
 def parse_speculative(value: str | None, k: int = DEFAULT_K, ngram_min: int = DEFAULT_NGRAM_MIN,
-                      ngram_max: int = DEFAULT_NGRAM_MAX, max_batch: int = DEFAULT_MAX_BATCH) -> SpecConfig:
+                      ngram_max: int = DEFAULT_NGRAM_MAX, max_batch: int = DEFAULT_MAX_BATCH,
+                      draft_p_min: float = DEFAULT_DRAFT_P_MIN) -> SpecConfig:
     """`off` | `ngram` | `draft:CHECKPOINT` (None or empty: off) and the sizes → a checked SpecConfig."""
     text = (value or "off").strip()
     method, _, draft = text.partition(":")
     method = method.strip().lower()
     if method != "draft" and draft:
         raise SpecError(f"unknown speculative method {text!r}: use off, ngram or draft:CHECKPOINT")
-    return SpecConfig(method, draft.strip() or None, k, ngram_min, ngram_max, max_batch).check()
+    return SpecConfig(method, draft.strip() or None, k, ngram_min, ngram_max, max_batch, draft_p_min).check()

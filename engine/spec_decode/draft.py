@@ -34,8 +34,11 @@ def check_draft(target_tokenizer, draft_tokenizer, draft_name: str = "the draft 
 
 class DraftProposer:
     def __init__(self, model, n_slots: int, vocab_size: int, max_len: int | None = None,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, p_min: float = 0.0) -> None:
         self.model = model
+        # a draft token the draft itself gives less than p_min ends the proposal there (llama.cpp's --draft-p-min):
+        # an unsure draft is mostly wrong, and each wrong token costs a draft pass and a verification position
+        self.p_min = p_min
         param = next(model.parameters())
         self.device = param.device
         self.vocab_size = vocab_size  # proposals are ids of the target's vocabulary (a padded draft head is cut)
@@ -74,10 +77,12 @@ class DraftProposer:
             idx = torch.tensor(list(tokens[held:]), dtype=torch.long, device=self.device)[None]
             logits = self.model.forward_cached(idx, self.cache, [slot])
             self.forward_passes += 1
-            out[i].append(int(logits[0, :self.vocab_size].argmax()))
             self.base[rid], self.fed[rid] = n, []
-            want[i] = k
-            live.append(i)
+            (t,), (sure,) = self._pick(logits)
+            if sure:
+                out[i].append(t)
+                want[i] = k
+                live.append(i)
         while True:  # the rest greedily, one batched pass per position over the requests still short
             live = [i for i in live if len(out[i]) < want[i]]
             if not live:
@@ -86,9 +91,20 @@ class DraftProposer:
             idx = torch.tensor([[out[i][-1]] for i in live], dtype=torch.long, device=self.device)
             logits = self.model.forward_cached(idx, self.cache, slots)
             self.forward_passes += 1
-            for i, t in zip(live, logits[:, :self.vocab_size].argmax(-1).tolist()):
+            tokens, sure = self._pick(logits)
+            for i, t, ok in zip(live, tokens, sure):
                 self.fed[rows[i][0]].append(out[i][-1])
-                out[i].append(t)
+                if ok:
+                    out[i].append(t)
+                else:
+                    want[i] = len(out[i])  # unsure: the proposal ends here
+
+    def _pick(self, logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+        """The draft's greedy token of each row, and whether it gives it at least p_min."""
+        z = logits[:, :self.vocab_size].float()
+        top, tok = z.max(-1)
+        p = torch.exp(top - torch.logsumexp(z, -1))
+        return tok.tolist(), (p >= self.p_min).tolist()
 
     def _slot(self, rid: str) -> int | None:
         slot = self.slot.get(rid)

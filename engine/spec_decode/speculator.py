@@ -61,7 +61,11 @@ class Speculator:
             budgets.append(min(limit, c.budget()) if c is not None and limit > 0 else 0)
         if self.ngram is not None:
             return [self.ngram.propose(self.tokens[rid], k) if k > 0 else [] for rid, k in zip(request_ids, budgets)]
-        return self.draft.propose([(rid, self.tokens.get(rid), k) for rid, k in zip(request_ids, budgets)])
+        out = self.draft.propose([(rid, self.tokens.get(rid), k) for rid, k in zip(request_ids, budgets)])
+        for rid, k, p in zip(request_ids, budgets, out):
+            if k > 0 and not p:  # the draft ran and was unsure of its first token: that pass was spent for nothing
+                self.control[rid].observe(0, 0)
+        return out
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         self.proposed += proposed

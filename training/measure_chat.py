@@ -8,9 +8,11 @@
 template, against the base checkpoint prompted with the server's `You:` / `Model:` transcript (what a base
 model's /v1/chat/completions renders) on the same turns. Each model's prompt and reply tokens are what the
 server would send it (training/chat_encoding.py's segments, model/chat_template.py's templates); the reply
-ends with the template's end of turn (`<|endoftext|>`, or the transcript's newline), so both pay for knowing
-where to stop. Reported per token (each with its own tokens) and per byte of the replies' text (the same bytes
-for both). Conversations either model cannot fit in its context are left out of both.
+ends with what the template writes after it (`<|endoftext|>`, which ends the turn; the transcript's newline,
+which does not: the server stops a transcript reply at "\nYou:", so `base_with_stop` also counts the "You:" a
+base model must write to end its turn). Reported per token (each with its own tokens) and per byte of the
+replies' text (the same bytes for both). Conversations either model cannot fit in its context are left out of
+all figures.
 
 `throughput`: chat training steps against language-model training steps on the same model, interleaved
 (--rounds of --steps each, one thread, after a warm-up), on the same shapes: each LM batch has the rows and
@@ -46,17 +48,21 @@ PROG = "python -m training.measure_chat"
 
 
 @torch.no_grad()
-def reply_loss(model, encoder: ChatEncoder, conversations: list[list[Message]]) -> list[tuple[float, int]]:
-    """(summed nats, learned tokens) of each conversation; None where it does not fit the context."""
+def reply_loss(model, encoder: ChatEncoder, conversations: list[list[Message]],
+               then: list[int] = ()) -> list[tuple[float, int]]:
+    """(summed nats, learned tokens) of each conversation; None where it does not fit the context.
+    then: tokens appended to the conversation and learned too (what ends a transcript's reply)."""
     block = model.config.block_size
     out = []
     for msgs in conversations:
         ids, learn = encoder.encode(msgs)
+        ids, learn = ids + list(then), learn + [True] * len(then)
         if len(ids) > block + 1:
             out.append(None)
             continue
-        x = torch.tensor(ids[:-1])[None]
-        y = torch.tensor([i if f else -1 for i, f in zip(ids[1:], learn[1:])])[None]
+        device = next(model.parameters()).device
+        x = torch.tensor(ids[:-1], device=device)[None]
+        y = torch.tensor([i if f else -1 for i, f in zip(ids[1:], learn[1:])], device=device)[None]
         logits, _ = model(x)
         ce = F.cross_entropy(logits[0].float(), y[0], ignore_index=-1, reduction="sum")
         out.append((ce.item(), int((y >= 0).sum())))
@@ -70,8 +76,12 @@ def compare_loss(base_dir: str, tuned_dir: str, val: str) -> dict:
     convs = [parse_conversation(json.loads(line)) for line in Path(val).read_text(encoding="utf-8").splitlines()
              if line.strip()]
     a = reply_loss(base.model, ChatEncoder(transcript, base.tokenizer), convs)
+    # the transcript's reply ends in a newline that does not end the turn: the server stops at "\nYou:", so a
+    # base model that ends its turn writes "You:" after that newline; counted here as a second base figure
+    stop = base.tokenizer.encode(transcript.stop[0].removeprefix("\n")) if transcript.stop else []
+    a_stop = reply_loss(base.model, ChatEncoder(transcript, base.tokenizer), convs, then=stop)
     b = reply_loss(tuned.model, ChatEncoder(own, tuned.tokenizer), convs)
-    keep = [i for i in range(len(convs)) if a[i] is not None and b[i] is not None]
+    keep = [i for i in range(len(convs)) if a_stop[i] is not None and b[i] is not None]
     reply_bytes = sum(len(m.content.strip().encode()) + 1 for i in keep for m in convs[i] if m.weight == 1)
 
     def summary(r, template: ChatTemplate) -> dict:
@@ -80,10 +90,13 @@ def compare_loss(base_dir: str, tuned_dir: str, val: str) -> dict:
                 "nats_per_byte": nats / reply_bytes}
 
     res = {"conversations": len(keep), "left_out": len(convs) - len(keep), "reply_bytes": reply_bytes,
-           "base": summary(a, transcript), "tuned": summary(b, own),
+           "base": summary(a, transcript), "base_with_stop": summary(a_stop, transcript),
+           "tuned": summary(b, own),
            "tuned_cpu_s": tuned.metadata.get("cpu_s"), "tuned_step": tuned.metadata.get("step")}
     res["lower_per_token"] = 1 - res["tuned"]["nats_per_token"] / res["base"]["nats_per_token"]
     res["lower_per_byte"] = 1 - res["tuned"]["nats_per_byte"] / res["base"]["nats_per_byte"]
+    res["lower_per_token_with_stop"] = 1 - res["tuned"]["nats_per_token"] / res["base_with_stop"]["nats_per_token"]
+    res["lower_per_byte_with_stop"] = 1 - res["tuned"]["nats_per_byte"] / res["base_with_stop"]["nats_per_byte"]
     return res
 
 

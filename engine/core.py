@@ -44,6 +44,7 @@ from engine.request import EngineRequest, ErrorKind, RequestOutput, check_contex
 from engine.sampling import Sampler, SamplingParams, bad_token
 from engine.scheduler import Scheduler, Step
 from engine.spec_decode import SpecConfig, Speculator
+from engine.spec_decode.config import VERIFY_POSITIONS
 from engine.structured_output import Grammars, Matchers
 from model.gpt import GPT
 from model.kv_cache import KVCache, device_index
@@ -248,12 +249,13 @@ class EngineCore:
     def _proposals(self, decode) -> list[list[int]] | None:
         """Each decoding row's proposal, or None when this step does not speculate (speculation off, a batch above
         max_batch, no row with a proposal). A row proposes at most what it may still generate after this step's
-        first token and what its cache slot has room for."""
+        first token, what its cache slot has room for, and its share of VERIFY_POSITIONS."""
         spec = self.speculator
         if spec is None or len(decode) > spec.config.max_batch or not any(r.id in spec for r in decode):
             return None
         lengths = self.cache.lengths
-        limits = [min(r.request.params.max_new_tokens - r.generated - 1, self.max_len - lengths[i] - 1)
+        per_row = max(1, VERIFY_POSITIONS // len(decode) - 1)
+        limits = [min(r.request.params.max_new_tokens - r.generated - 1, self.max_len - lengths[i] - 1, per_row)
                   for i, r in enumerate(decode)]
         proposals = spec.propose([r.id for r in decode], limits)
         if not any(proposals):

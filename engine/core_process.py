@@ -61,7 +61,7 @@ class CoreConfig:
     cuda_graphs: bool | None = None
     log_level: str = "info"
     speculative: str = "off"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
     speculative_max_batch: int = 4

@@ -20,6 +20,7 @@ from engine.generate import speculation, stream_generate
 from engine.request import check_context
 from engine.sampling import SamplingParams
 from engine.spec_decode import parse_speculative
+from engine.spec_decode.config import DEFAULT_K
 from model.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from model.device import resolve_device, resolve_dtype
 
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative", default="off",
                     help="off | ngram | draft:CHECKPOINT: speculative decoding (the same text, sooner where "
                          "proposals hold)")
-    ap.add_argument("--num-speculative-tokens", type=int, default=4, help="most tokens proposed per step")
+    ap.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_K, help="most tokens proposed per step")
     return ap
 
 

@@ -244,3 +244,22 @@ def test_a_draft_of_the_target_itself_accepts_greedy_proposals(ck):
         drive(core, reqs(ck, [(PROMPTS[1], dict(max_new_tokens=60, temperature=0))]))
         s = core.speculator
         assert s.accepted >= 0.9 * s.proposed and s.accepted > least
+
+
+def test_a_batch_shares_the_verification_positions(ck):
+    """n decoding rows propose at most VERIFY_POSITIONS // n - 1 tokens each (at least 1)."""
+    from engine.spec_decode.config import VERIFY_POSITIONS
+
+    core = make_core(ck, "ngram", n_slots=4, spec_kw=dict(k=8))
+    seen = []
+    propose = core.speculator.propose
+
+    def spy(ids, limits):
+        seen.append((len(ids), max(limits)))
+        return propose(ids, limits)
+
+    core.speculator.propose = spy
+    drive(core, reqs(ck, [(p, dict(max_new_tokens=40, temperature=0)) for p in PROMPTS[:4]]))
+    assert 4 in {n for n, _ in seen}
+    assert all(lim <= max(1, VERIFY_POSITIONS // n - 1) for n, lim in seen)
+    assert max(lim for n, lim in seen if n == 4) == 3

@@ -52,11 +52,15 @@ def test_prompt_lookup_proposes_what_followed_the_longest_recent_match():
 def test_adaptive_k_shrinks_pauses_and_recovers():
     a = AdaptiveK(4)
     assert a.budget() == 4
+    a.observe(4, 3)
+    assert a.budget() == 4  # the run that held, and one more
     a.observe(4, 1)
-    assert a.budget() == 2  # the run that held, and one more
+    assert a.budget() == 2
     a.observe(2, 2)
     assert a.budget() == 4  # all held: doubles back up
     for _ in range(PATIENCE):
+        if a.paused:
+            break
         a.observe(a.budget(), 0)
     assert [a.budget() for _ in range(FIRST_BACKOFF)] == [0] * FIRST_BACKOFF  # paused
     k = a.budget()
@@ -66,8 +70,18 @@ def test_adaptive_k_shrinks_pauses_and_recovers():
     a.observe(0, 0)  # a draft that came back with nothing (it cost a pass) is a miss too
     assert a.paused and a.budget() == 0  # (right after a failed probe: it pauses again)
     a.paused = 0
-    a.observe(a.budget(), 1)  # an acceptance resets the pause
-    assert a.misses == 0 and a.backoff == FIRST_BACKOFF and a.budget() == 2  # (and it held in full)
+    for _ in range(4):  # hits lift the rate back: no pause, and the next pause starts short again
+        a.observe(a.budget(), a.budget())
+    assert not a.paused and a.backoff == FIRST_BACKOFF and a.budget() == 4
+
+
+def test_a_low_acceptance_rate_pauses_even_without_a_miss_streak():
+    a = AdaptiveK(4)
+    steps = 0
+    while not a.paused and steps < 20:  # 1 of 5 proposals held, every time: never 3 misses in a row
+        a.observe(4, 1 if steps % 2 == 0 else 0)
+        steps += 1
+    assert a.paused and steps < 10 and a.misses < PATIENCE
 
 
 def test_the_speculator_follows_its_requests_and_counts():

@@ -1,10 +1,12 @@
 """How many tokens a request proposes next (`AdaptiveK`), from how its proposals fared.
 
-A rejected proposal costs the positions it added to the verification pass; at batch 1 on a CPU that is ~1.4x a
-plain decode step for 4 extra positions (the bundled model, 1 thread). So: after a partial acceptance of a tokens
-the next proposal is a + 1 long (the run that was right, and one more); after a full acceptance it doubles back up
-to k. After `patience` verifications in a row that accepted nothing, the request stops proposing for `backoff`
-steps, then probes once again; each failed probe doubles the pause (up to `max_backoff`), any acceptance resets it.
+A rejected proposal costs the positions it added to the verification pass: on a CPU at batch 1 a pass over 2-5
+positions took ~1.2-1.3x a plain decode step (the bundled model, 1 thread), so a proposal must hold about a
+quarter of the time to pay. So: after a partial acceptance of a tokens the next proposal is a + 1 long (the run
+that was right, and one more); after a full acceptance it doubles back up to k. A request stops proposing for
+`backoff` steps when `patience` verifications in a row accepted nothing or its acceptance rate (a moving average
+of accepted / proposed) falls below `RATE_FLOOR`; then it probes once again. Each pause that follows another
+without a recovery in between doubles (up to `MAX_BACKOFF`); a request back above the floor starts over.
 """
 
 from __future__ import annotations
@@ -12,16 +14,20 @@ from __future__ import annotations
 PATIENCE = 3
 FIRST_BACKOFF = 8
 MAX_BACKOFF = 256
+RATE_FLOOR = 0.25  # below this share of proposed tokens accepted, verifying costs more than it saves
+RATE_WEIGHT = 0.25  # of the newest verification in the moving average
+RATE_START = 0.5
 
 
 class AdaptiveK:
-    __slots__ = ("k_max", "k", "misses", "paused", "backoff")
+    __slots__ = ("k_max", "k", "misses", "paused", "backoff", "rate")
 
     def __init__(self, k_max: int) -> None:
         self.k_max = self.k = k_max
         self.misses = 0  # verifications in a row that accepted nothing
         self.paused = 0  # steps left without proposals
         self.backoff = FIRST_BACKOFF
+        self.rate = RATE_START  # moving average of accepted / proposed
 
     def budget(self) -> int:
         """Tokens to propose this step (0 while paused; counts the pause down)."""
@@ -32,21 +38,17 @@ class AdaptiveK:
 
     def observe(self, proposed: int, accepted: int) -> None:
         """`proposed` 0: a proposer that costs a pass (a draft model) came back with nothing: a miss too."""
-        if proposed <= 0:
-            self._miss()
-            return
-        if accepted >= proposed:
-            self.k = min(self.k_max, 2 * self.k)
-        else:
-            self.k = max(1, min(self.k_max, accepted + 1))
-        if accepted:
-            self.misses, self.backoff = 0, FIRST_BACKOFF
-            return
-        self._miss()
-
-    def _miss(self) -> None:
-        self.misses += 1
-        if self.misses >= PATIENCE:
+        if proposed > 0:
+            if accepted >= proposed:
+                self.k = min(self.k_max, 2 * self.k)
+            else:
+                self.k = max(1, min(self.k_max, accepted + 1))
+        self.rate += RATE_WEIGHT * ((accepted / proposed if proposed > 0 else 0.0) - self.rate)
+        self.misses = 0 if accepted else self.misses + 1
+        if self.misses >= PATIENCE or self.rate < RATE_FLOOR:
             self.paused = self.backoff
             self.backoff = min(MAX_BACKOFF, 2 * self.backoff)
-            self.misses = PATIENCE - 1  # one more miss after the pause (the probe) pauses again
+            self.misses = PATIENCE - 1  # the probe after the pause decides: one more miss pauses again,
+            self.rate = RATE_FLOOR  # and so does a rate that a hit does not lift
+        elif accepted and self.rate >= 2 * RATE_FLOOR:
+            self.backoff = FIRST_BACKOFF

@@ -1,6 +1,6 @@
 """Growing a model's vocabulary by special tokens: new tokenizer ids after its own, and new rows of the (tied)
 embedding for them. Chat fine-tuning (training/finetune.py --task chat) adds its template's role tokens this
-way; model/task_head.py's add_task_tokens does the same for [Start] [Delim] [Extract]."""
+way, and model/task_head.py's add_task_tokens for [Start] [Delim] [Extract]."""
 
 from __future__ import annotations
 

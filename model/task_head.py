@@ -32,7 +32,6 @@ Items (what predict takes; a JSONL line of training/finetune.py is the same plus
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from model.gpt import GPT, linear
+from model.special_tokens import add_special_tokens
 from model.tokenizer import Tokenizer
 
 KINDS = ("classification", "entailment", "similarity", "multiple_choice")
@@ -142,26 +142,8 @@ def special_ids(tokenizer: Tokenizer) -> tuple[int, int, int]:
 @torch.no_grad()
 def add_task_tokens(model: GPT, tokenizer: Tokenizer, generator: torch.Generator | None = None) -> Tokenizer:
     """The tokenizer with [Start], [Delim], [Extract] (new ids after its own), and the model's tied embedding
-    grown to hold them: each new row is the mean of the existing rows plus N(0, 0.02²) noise (a token that
-    looks like an average one). A model that already has rows for them (padding) gets those re-initialised."""
-    tok = tokenizer.with_special_tokens(SPECIAL_TOKENS)
-    ids = special_ids(tok)
-    wte = model.transformer.wte
-    old = wte.weight
-    n_old = min(old.size(0), min(ids))
-    size = max(old.size(0), max(ids) + 1)
-    weight = torch.empty(size, old.size(1), dtype=old.dtype, device=old.device)
-    weight[: old.size(0)] = old
-    mean = old[:n_old].float().mean(0)
-    for i in ids:
-        noise = torch.randn(old.size(1), generator=generator) * 0.02
-        weight[i] = (mean + noise.to(mean.device)).to(old.dtype)
-    wte.weight = nn.Parameter(weight, requires_grad=old.requires_grad)
-    wte.num_embeddings = size
-    model.lm_head.weight = wte.weight
-    model.lm_head.out_features = size
-    model.config = dataclasses.replace(model.config, vocab_size=size)
-    return tok
+    grown to hold them (model/special_tokens.py: each new row the mean of the ordinary rows plus N(0, 0.02²))."""
+    return add_special_tokens(model, tokenizer, SPECIAL_TOKENS, generator)
 
 
 def _fit(parts: list[list[int]], budget: int) -> list[list[int]]:

@@ -62,7 +62,7 @@ class CoreConfig:
     log_level: str = "info"
     speculative: str = "off"
     num_speculative_tokens: int = 8
-    speculative_ngram_min: int = 2
+    speculative_ngram_min: int = 3
     speculative_ngram_max: int = 4
     speculative_max_batch: int = 4
     speculative_draft_p_min: float = 0.0

@@ -85,7 +85,7 @@ def test_a_low_acceptance_rate_pauses_even_without_a_miss_streak():
 
 
 def test_the_speculator_follows_its_requests_and_counts():
-    s = Speculator(parse_speculative("ngram", k=3))
+    s = Speculator(parse_speculative("ngram", k=3, ngram_min=2))
     s.add("a", [1, 2, 3, 1, 2])
     assert s.propose(["a", "b"], [5, 5]) == [[3, 1, 2], []]  # b does not speculate
     assert s.propose(["a"], [1]) == [[3]]  # the limit (room, tokens left) caps it

@@ -8,7 +8,7 @@ import pytest
 
 from engine.request import RequestOutput
 from engine.spec_decode import SpecError, Speculator, parse_speculative
-from engine.spec_decode.adaptive import FIRST_BACKOFF, PATIENCE, AdaptiveK
+from engine.spec_decode.adaptive import FIRST_BACKOFF, PATIENCE, START_K, AdaptiveK
 from engine.spec_decode.draft import DraftError, check_draft
 from engine.spec_decode.ngram import NgramProposer
 from engine.stopping import FinishReason
@@ -51,7 +51,9 @@ def test_prompt_lookup_proposes_what_followed_the_longest_recent_match():
 
 def test_adaptive_k_shrinks_pauses_and_recovers():
     a = AdaptiveK(4)
-    assert a.budget() == 4
+    assert a.budget() == START_K == 2  # a short first probe
+    a.observe(2, 2)
+    assert a.budget() == 4  # it held: doubles up to k
     a.observe(4, 3)
     assert a.budget() == 4  # the run that held, and one more
     a.observe(4, 1)
@@ -87,7 +89,9 @@ def test_a_low_acceptance_rate_pauses_even_without_a_miss_streak():
 def test_the_speculator_follows_its_requests_and_counts():
     s = Speculator(parse_speculative("ngram", k=3, ngram_min=2))
     s.add("a", [1, 2, 3, 1, 2])
-    assert s.propose(["a", "b"], [5, 5]) == [[3, 1, 2], []]  # b does not speculate
+    assert s.propose(["a", "b"], [5, 5]) == [[3, 1], []]  # b does not speculate; a's first proposal: START_K
+    s.control["a"].k = 3
+    assert s.propose(["a", "b"], [5, 5]) == [[3, 1, 2], []]
     assert s.propose(["a"], [1]) == [[3]]  # the limit (room, tokens left) caps it
     s.observe("a", 3, 2)
     s.record([RequestOutput("a", [3, 1], [0.0, 0.0])])

@@ -26,7 +26,6 @@ conversation, not block_size; padding positions are no target (-1).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -41,6 +40,7 @@ import torch
 
 from model.chat_template import ChatTemplateError
 from training.chat_encoding import ChatEncoder, ChatEncodingError, Message
+from training.jsonl import parse_line
 
 ROLES = ("system", "user", "assistant")
 LEARN_BIT = np.uint32(1 << 31)
@@ -140,16 +140,9 @@ def encode_chat_file(path: str | Path, encoder: ChatEncoder, block_size: int, ov
         for n, line_bytes in enumerate(f, start=1):
             digest.update(line_bytes)
             where = f"{path}:{n}"
-            try:
-                line = line_bytes.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ChatDataError(f"{where}: invalid UTF-8 at byte {e.start} of the line") from None
-            if not line.strip():
+            obj = parse_line(line_bytes, where, ChatDataError)
+            if obj is None:
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ChatDataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             try:
                 ids, learn = encoder.encode(parse_conversation(obj))
             except (ValueError, ChatTemplateError, ChatEncodingError) as e:

@@ -14,7 +14,6 @@ Every problem is one line naming FILE:LINE (TaskDataError).
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 
 from model.task_head import encode_item, item_error
 from model.tokenizer import Tokenizer
+from training.jsonl import parse_line
 
 LABEL = "label"
 
@@ -53,16 +53,9 @@ def read_task_file(path: str | Path, kind: str) -> TaskFile:
     items, labels, lines = [], [], []
     for n, line_bytes in enumerate(raw.split(b"\n"), start=1):
         where = f"{path}:{n}"
-        try:
-            line = line_bytes.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise TaskDataError(f"{where}: invalid UTF-8 at byte {e.start} of the line") from None
-        if not line.strip():
+        obj = parse_line(line_bytes, where, TaskDataError)
+        if obj is None:
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TaskDataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
             raise TaskDataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         if LABEL not in obj:

@@ -5,13 +5,12 @@ several HTTP fronts (GPT_API_SERVERS) share one core with metrics that add up.""
 from __future__ import annotations
 
 import concurrent.futures
-import glob
 import json
 import os
 import re
 import signal
-import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -31,8 +30,10 @@ BODIES = [
 ]
 
 
-def core_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "gpt-core-*")))
+def core_dirs(tmp: Path) -> list[Path]:
+    """The core socket directories under `tmp`: each test's server gets a TMPDIR of its own, so a server another
+    process runs meanwhile (a benchmark, a parallel test) cannot show up here."""
+    return list(tmp.glob("gpt-core-*"))
 
 
 def stop(proc, timeout: float = 20) -> int:
@@ -41,11 +42,10 @@ def stop(proc, timeout: float = 20) -> int:
     return proc.wait(timeout)
 
 
-def test_core_process_results_equal_the_library_and_the_thread_mode(tiny_ckpt):
+def test_core_process_results_equal_the_library_and_the_thread_mode(tiny_ckpt, tmp_path):
     """Seeded and greedy requests, sent together, give each its solo library result through the core process;
     the thread mode gives the same tokens."""
-    before = core_dirs()
-    proc, url = start_app_process(tiny_ckpt)
+    proc, url = start_app_process(tiny_ckpt, env={"TMPDIR": str(tmp_path)})
     try:
         assert httpx.get(url + "/info").json()["engine_mode"] == "process"
         with concurrent.futures.ThreadPoolExecutor(len(BODIES)) as pool:
@@ -59,7 +59,7 @@ def test_core_process_results_equal_the_library_and_the_thread_mode(tiny_ckpt):
     with app_client(tiny_ckpt) as c:  # engine="thread"
         threaded = [c.post("/generate", json=b).json() for b in BODIES]
     assert threaded == together
-    assert core_dirs() <= before  # the core's socket directory is gone
+    assert not core_dirs(tmp_path)  # the core's socket directory is gone
 
 
 def test_a_stop_string_in_the_front_aborts_the_request_in_the_core(tiny_ckpt):
@@ -84,9 +84,8 @@ def test_a_stop_string_in_the_front_aborts_the_request_in_the_core(tiny_ckpt):
         stop(proc)
 
 
-def test_sigkill_of_the_core_ends_every_stream_and_the_server_exits_non_zero(tiny_ckpt):
-    before = core_dirs()
-    proc, url = start_app_process(tiny_ckpt, "--max-new-tokens", "127")
+def test_sigkill_of_the_core_ends_every_stream_and_the_server_exits_non_zero(tiny_ckpt, tmp_path):
+    proc, url = start_app_process(tiny_ckpt, "--max-new-tokens", "127", env={"TMPDIR": str(tmp_path)})
     core_pid = httpx.get(url + "/info").json()["engine_pid"]
     started = concurrent.futures.ThreadPoolExecutor(8)
     first = [False] * 8
@@ -133,7 +132,7 @@ def test_sigkill_of_the_core_ends_every_stream_and_the_server_exits_non_zero(tin
     assert cut >= 1  # the kill reached streams in flight
     with pytest.raises(ProcessLookupError):
         os.kill(core_pid, 0)  # reaped, not a zombie (os.kill on a zombie succeeds)
-    assert core_dirs() <= before
+    assert not core_dirs(tmp_path)
 
 
 def test_two_api_servers_share_one_core_and_metrics_add_up(tiny_ckpt):

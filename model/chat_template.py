@@ -38,6 +38,7 @@ DEFAULT_TEMPLATE = (
     "{%- if add_generation_prompt -%}Model:{%- endif -%}"
 )
 DEFAULT_STOP = ["\nYou:"]
+TRANSCRIPT_ORIGIN = "default (You: / Model: transcript)"  # a checkpoint without a template of its own
 
 # The fine-tuning default (Zephyr's layout): `<|role|>\n` + the trimmed message + eos_token, no newline after it.
 # Every boundary between what the model reads and what it learns is a special token or a "\n" before
@@ -166,5 +167,5 @@ def load_chat_template(checkpoint_dir: str | Path, eos_token: str = "", override
             bos = data.get("bos_token") if isinstance(data.get("bos_token"), str) else ""
             eos = data.get("eos_token") if isinstance(data.get("eos_token"), str) else eos_token
             return ChatTemplate(source, str(config), stop=stop, bos_token=bos, eos_token=eos)
-    return ChatTemplate(DEFAULT_TEMPLATE, "default (You: / Model: transcript)", stop=list(DEFAULT_STOP),
+    return ChatTemplate(DEFAULT_TEMPLATE, TRANSCRIPT_ORIGIN, stop=list(DEFAULT_STOP),
                         lstrip_reply=True, eos_token=eos_token)

@@ -13,7 +13,7 @@ vocabulary and merges as `model.export_hf` does: `tokenizer.ggml.model = gpt2`, 
 (our pre-tokenization regex is GPT-2's), token types (special tokens are control tokens; ids of a vocabulary
 padded beyond the tokenizer become unused `[PADn]` tokens), bos = eos = `<|endoftext|>`, and no BOS added to
 prompts (our server adds none). A chat template (`chat_template.jinja`, or `chat_template` in
-`tokenizer_config.json`, found as app/chat_template.py finds it) is carried along when the checkpoint has one;
+`tokenizer_config.json`, found as model/chat_template.py finds it) is carried along when the checkpoint has one;
 without one, llama.cpp uses its own default, not our server's `You:` / `Model:` transcript.
 
 --type: f32 keeps every weight exact; f16 and q8_0 convert the 2-D weights (token_embd and the block matrices)
@@ -31,7 +31,6 @@ biases) exports as is.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from model.chat_template import TRANSCRIPT_ORIGIN, ChatTemplateError, load_chat_template
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.config import GPTConfig
 from model.export_hf import ExportError, ranks_to_bpe, tokenizer_ranks
@@ -133,21 +133,12 @@ def vocabulary(tokenizer: Tokenizer, vocab_size: int, gguf: Any) -> tuple[list[s
 
 
 def chat_template(checkpoint_dir: Path) -> str | None:
-    """The checkpoint's own Jinja chat template, found where app/chat_template.py looks, or None."""
-    jinja_file = checkpoint_dir / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    config = checkpoint_dir / "tokenizer_config.json"
-    if not config.is_file():
-        return None
+    """The checkpoint's own Jinja chat template (model/chat_template.py finds it, as the server does), or None."""
     try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise ExportError(f"cannot read {config}: {e}") from None
-    source = data.get("chat_template") if isinstance(data, dict) else None
-    if isinstance(source, list):  # transformers' list of named templates
-        source = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}.get("default")
-    return source if isinstance(source, str) and source else None
+        template = load_chat_template(checkpoint_dir)
+    except ChatTemplateError as e:
+        raise ExportError(str(e)) from None
+    return None if template.origin == TRANSCRIPT_ORIGIN else template.source
 
 
 def export(checkpoint: str | Path, out_file: str | Path, kind: str = "f32") -> Path:

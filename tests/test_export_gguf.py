@@ -18,7 +18,7 @@ import torch
 
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.export_gguf import export, main
-from model.export_hf import bytes_to_unicode
+from model.export_hf import ExportError, bytes_to_unicode
 from model.gpt import sinusoidal_table
 from model.tokenizer import EOT, GPT2_PATTERN, Tokenizer
 from tests.helpers import REPO, tiny_model, write_byte_ranks
@@ -204,6 +204,10 @@ def test_chat_template_is_carried_when_the_checkpoint_has_one(tmp_path):
     assert read(export(ck, tmp_path / "a.gguf"))[0]["tokenizer.chat_template"] == template
     (ck / "chat_template.jinja").write_text("{{ messages[0].content }}")  # the file wins, as in app/chat_template
     assert read(export(ck, tmp_path / "b.gguf"))[0]["tokenizer.chat_template"] == "{{ messages[0].content }}"
+    (ck / "chat_template.jinja").write_text("{% for m in %}")  # one the server could not load is not exported
+    with pytest.raises(ExportError, match="chat template"):
+        export(ck, tmp_path / "c.gguf")
+    assert not (tmp_path / "c.gguf").exists()
 
 
 @pytest.mark.parametrize("field, value", [("norm", "post"), ("activation", "relu")])

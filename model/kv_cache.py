@@ -52,7 +52,8 @@ class KVCache:
         shape = (n_slots, config.n_head, max_len, config.head_dim)
         # written at allocation (resident from start-up): a lazily touched anonymous mapping kept an idle server's
         # cache out of memory but decoded 16 streams ~7% slower (GPT-2 124M in-process, 2026-11-25: 311-332 vs
-        # 346-353 tok/s; reads of never-written pages go through the kernel's zero page). GPT_KV_CACHE_MEMORY and
+        # 346-353 tok/s; reads of never-written pages go through the kernel's zero page), and one marked
+        # MADV_HUGEPAGE as well (449/451 vs 419/418 tok/s; docs/performance.md). GPT_KV_CACHE_MEMORY and
         # GPT_KV_CACHE_DTYPE bound it instead
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]

@@ -13,8 +13,10 @@ vocabulary and merges as `model.export_hf` does: `tokenizer.ggml.model = gpt2`, 
 (our pre-tokenization regex is GPT-2's), token types (special tokens are control tokens; ids of a vocabulary
 padded beyond the tokenizer become unused `[PADn]` tokens), bos = eos = `<|endoftext|>`, and no BOS added to
 prompts (our server adds none). A chat template (`chat_template.jinja`, or `chat_template` in
-`tokenizer_config.json`, found as model/chat_template.py finds it) is carried along when the checkpoint has one;
-without one, llama.cpp uses its own default, not our server's `You:` / `Model:` transcript.
+`tokenizer_config.json`, found as model/chat_template.py finds it) is carried along when the checkpoint has one,
+with the end-of-turn token its generation_config.json stops at (a chat fine-tune's `<|im_end|>`) as
+`tokenizer.ggml.eot_token_id`; without one, llama.cpp uses its own default, not our server's `You:` / `Model:`
+transcript.
 
 --type: f32 keeps every weight exact; f16 and q8_0 convert the 2-D weights (token_embd and the block matrices)
 and keep norms, biases and position_embd in f32, as llama.cpp's convert_hf_to_gguf.py does; a matrix whose rows
@@ -39,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.chat_template import TRANSCRIPT_ORIGIN, ChatTemplateError, load_chat_template
+from model.chat_template import TRANSCRIPT_ORIGIN, ChatTemplateError, checkpoint_stop_tokens, load_chat_template
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.config import GPTConfig
 from model.export_hf import ExportError, ranks_to_bpe, tokenizer_ranks
@@ -141,6 +143,15 @@ def chat_template(checkpoint_dir: Path) -> str | None:
     return None if template.origin == TRANSCRIPT_ORIGIN else template.source
 
 
+def end_of_turn_id(checkpoint_dir: Path, tokenizer: Tokenizer) -> int | None:
+    """The id of the first stop token the checkpoint's generation_config.json adds to <|endoftext|> (a chat
+    fine-tune's end of turn), or None."""
+    eos = next((name for name, i in tokenizer.special_tokens.items() if i == tokenizer.eot_id), "")
+    stops = [tokenizer.special_tokens[n] for n in checkpoint_stop_tokens(checkpoint_dir, eos)
+             if n in tokenizer.special_tokens]
+    return stops[0] if stops else None
+
+
 def export(checkpoint: str | Path, out_file: str | Path, kind: str = "f32") -> Path:
     """Write `out_file` (GGUF, weights as `kind`) for the checkpoint directory `checkpoint`; atomic."""
     if kind not in TYPES:
@@ -151,6 +162,7 @@ def export(checkpoint: str | Path, out_file: str | Path, kind: str = "f32") -> P
     check_config(config)  # refuse before writing anything
     tokens, token_types, merges = vocabulary(ck.tokenizer, config.vocab_size, gguf)
     template = chat_template(ck.path)
+    eot = end_of_turn_id(ck.path, ck.tokenizer) if template is not None else None
     out = Path(out_file)
     if out.is_dir():
         raise ExportError(f"{out}: --out is a directory; give a file name such as model.gguf")
@@ -182,6 +194,8 @@ def export(checkpoint: str | Path, out_file: str | Path, kind: str = "f32") -> P
         writer.add_add_eos_token(False)
         if template is not None:
             writer.add_chat_template(template)
+        if eot is not None:  # a turn that ends with its own token (ChatML's <|im_end|>): llama.cpp stops there too
+            writer.add_eot_token_id(eot)
 
         for name, data in gguf_tensors(ck.model, config):
             qdata, qtype = quantized(gguf, name, data, kind)

@@ -210,6 +210,29 @@ def test_chat_template_is_carried_when_the_checkpoint_has_one(tmp_path):
     assert not (tmp_path / "c.gguf").exists()
 
 
+def test_a_chat_fine_tunes_end_of_turn_token_is_declared(tmp_path):
+    """A ChatML-style checkpoint (its own <|im_end|> ends a turn, generation_config.json stops there) exports it
+    as llama.cpp's end-of-turn token; a checkpoint whose turns end at <|endoftext|> declares none."""
+    from model.chat_template import ChatTemplate, chat_config_files
+    from model.special_tokens import add_special_tokens
+
+    base = load_checkpoint(BUNDLED)
+    tok = add_special_tokens(base.model, base.tokenizer, ["<|im_start|>", "<|im_end|>"])
+    chatml = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    im_end = tok.special_tokens["<|im_end|>"]
+    files = chat_config_files(ChatTemplate(chatml, "chatml", eos_token=EOT), [tok.eot_id, im_end])
+    ck = save_checkpoint(tmp_path / "ck", base.model, tok, {}, tokenizer_file=BUNDLED / "shakespeare.tiktoken",
+                         extra_files=files)
+    fields = read(export(ck, tmp_path / "a.gguf"))[0]
+    assert fields["tokenizer.ggml.eot_token_id"] == im_end and fields["tokenizer.chat_template"] == chatml
+    assert fields["tokenizer.ggml.tokens"][im_end] == "<|im_end|>"
+    files = chat_config_files(ChatTemplate(chatml, "chatml", eos_token=EOT), [tok.eot_id])
+    ck = save_checkpoint(tmp_path / "ck2", base.model, tok, {}, tokenizer_file=BUNDLED / "shakespeare.tiktoken",
+                         extra_files=files)
+    assert "tokenizer.ggml.eot_token_id" not in read(export(ck, tmp_path / "b.gguf"))[0]
+
+
 @pytest.mark.parametrize("field, value", [("norm", "post"), ("activation", "relu")])
 def test_unrepresentable_configs_are_refused_in_one_line(tmp_path, capsys, field, value):
     tok = Tokenizer.from_ranks_file(write_byte_ranks(tmp_path / "bytes.tiktoken"))

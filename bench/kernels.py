@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
+    from model.device import cpu_flags
+
     p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,2,4,16,64")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every CPU)")
@@ -95,14 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, s in samples.items():
                 table[name][str(r)] = round(sorted(s)[len(s) // 2], 2)
             print(f"rows={r}: " + "  ".join(f"{n}={table[n][str(r)]}" for n in v), flush=True)
-    flags = set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    flags = cpu_flags()
     data = {"env": env_info(), "threads": threads, "unit": "ms per pass over GPT-2 124M's 48 block matmuls",
             "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8",
                                          "avx_vnni"}),

@@ -41,11 +41,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.chat_template import TRANSCRIPT_ORIGIN, ChatTemplateError, checkpoint_stop_tokens, load_chat_template
+from model.chat_template import TRANSCRIPT_ORIGIN, ChatTemplate, ChatTemplateError, load_chat_template
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.config import GPTConfig
 from model.export_hf import ExportError, ranks_to_bpe, tokenizer_ranks
-from model.tokenizer import Tokenizer, TokenizerError
+from model.tokenizer import EOT, Tokenizer, TokenizerError
 
 ARCH = "gpt2"
 TYPES = ("f32", "f16", "q8_0")
@@ -134,22 +134,14 @@ def vocabulary(tokenizer: Tokenizer, vocab_size: int, gguf: Any) -> tuple[list[s
     return tokens, kinds, [f"{a} {b}" for a, b in merges]
 
 
-def chat_template(checkpoint_dir: Path) -> str | None:
-    """The checkpoint's own Jinja chat template (model/chat_template.py finds it, as the server does), or None."""
+def chat_template(checkpoint_dir: Path) -> ChatTemplate | None:
+    """The checkpoint's own Jinja chat template (model/chat_template.py finds it, as the server does), its stop
+    list the special tokens generation_config.json adds to <|endoftext|> (a chat fine-tune's end of turn); or None."""
     try:
-        template = load_chat_template(checkpoint_dir)
+        template = load_chat_template(checkpoint_dir, EOT)
     except ChatTemplateError as e:
         raise ExportError(str(e)) from None
-    return None if template.origin == TRANSCRIPT_ORIGIN else template.source
-
-
-def end_of_turn_id(checkpoint_dir: Path, tokenizer: Tokenizer) -> int | None:
-    """The id of the first stop token the checkpoint's generation_config.json adds to <|endoftext|> (a chat
-    fine-tune's end of turn), or None."""
-    eos = next((name for name, i in tokenizer.special_tokens.items() if i == tokenizer.eot_id), "")
-    stops = [tokenizer.special_tokens[n] for n in checkpoint_stop_tokens(checkpoint_dir, eos)
-             if n in tokenizer.special_tokens]
-    return stops[0] if stops else None
+    return None if template.origin == TRANSCRIPT_ORIGIN else template
 
 
 def export(checkpoint: str | Path, out_file: str | Path, kind: str = "f32") -> Path:
@@ -162,7 +154,8 @@ def export(checkpoint: str | Path, out_file: str | Path, kind: str = "f32") -> P
     check_config(config)  # refuse before writing anything
     tokens, token_types, merges = vocabulary(ck.tokenizer, config.vocab_size, gguf)
     template = chat_template(ck.path)
-    eot = end_of_turn_id(ck.path, ck.tokenizer) if template is not None else None
+    special = ck.tokenizer.special_tokens
+    eot = None if template is None else next((special[n] for n in template.stop if n in special), None)
     out = Path(out_file)
     if out.is_dir():
         raise ExportError(f"{out}: --out is a directory; give a file name such as model.gguf")
@@ -193,7 +186,7 @@ def export(checkpoint: str | Path, out_file: str | Path, kind: str = "f32") -> P
         writer.add_add_bos_token(False)
         writer.add_add_eos_token(False)
         if template is not None:
-            writer.add_chat_template(template)
+            writer.add_chat_template(template.source)
         if eot is not None:  # a turn that ends with its own token (ChatML's <|im_end|>): llama.cpp stops there too
             writer.add_eot_token_id(eot)
 

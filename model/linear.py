@@ -324,8 +324,9 @@ def block_linears(model: nn.Module):
 
 
 def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP) -> dict:
-    """Swap the block Linears (and, for int8/int4, the tied head and embedding) for served modules, in place.
-    fmt: none (PackedLinear on a CPU in fp32/bf16; nothing elsewhere), int8, int4. Returns what it did."""
+    """Swap the block Linears (and the tied head: for none a packed copy beside the embedding, for int8/int4 one
+    quantized table shared with it) for served modules, in place. fmt: none (PackedLinear on a CPU in fp32/bf16;
+    nothing elsewhere), int8, int4. Returns what it did (`swapped` counts the block Linears)."""
     if fmt not in FORMATS:
         raise FormatError(f"unknown weight format {fmt!r}: use one of {', '.join(FORMATS)}")
     param = next(model.parameters())

@@ -33,8 +33,6 @@ from safetensors.torch import save_file
 from model.chat_template import (
     DEFAULT_TEMPLATE,
     GENERATION_CONFIG,
-    JINJA_FILE,
-    TOKENIZER_CONFIG,
     ChatTemplateError,
     checkpoint_stop_tokens,
     load_chat_template,
@@ -206,14 +204,13 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path, model_max_length: int,
 def chat_settings(checkpoint: Path, tokenizer: Tokenizer) -> tuple[dict[str, Any] | None, list[int] | None]:
     """The chat template (with its bos/eos tokens) the checkpoint carries, or None (a base model: the server's
     transcript default is not exported); and the ids generation stops at (its generation_config.json)."""
+    try:
+        t = load_chat_template(checkpoint, EOT)  # the transcript default where the checkpoint has no template
+    except ChatTemplateError as e:
+        raise ExportError(str(e)) from None
     template = None
-    if (checkpoint / JINJA_FILE).is_file() or (checkpoint / TOKENIZER_CONFIG).is_file():
-        try:
-            t = load_chat_template(checkpoint, EOT)
-        except ChatTemplateError as e:
-            raise ExportError(str(e)) from None
-        if t.source != DEFAULT_TEMPLATE:
-            template = {"chat_template": t.source, "bos_token": t.bos_token, "eos_token": t.eos_token}
+    if t.source != DEFAULT_TEMPLATE:
+        template = {"chat_template": t.source, "bos_token": t.bos_token, "eos_token": t.eos_token}
     stop_ids = None
     if (checkpoint / GENERATION_CONFIG).is_file():
         stops = checkpoint_stop_tokens(checkpoint, EOT)

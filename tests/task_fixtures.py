@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import random
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -62,7 +62,17 @@ def word_task_lines(n: int, seed: int, word: str = "quiet") -> list[dict]:
     return lines
 
 
-def write_jsonl(path: str | Path, lines: Sequence[dict]) -> Path:
+def write_jsonl(path: str | Path, lines: Sequence[dict | str]) -> Path:
+    """One line per item: a dict as JSON, a str as written (a malformed line on purpose)."""
     path = Path(path)
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     return path
+
+
+def one_line_error(capsys, run: Callable[[], int]) -> str:
+    """`run()` (a CLI's main) exits 2 with a single-line message on stderr and no traceback; that message."""
+    capsys.readouterr()
+    assert run() == 2
+    out = capsys.readouterr().err.strip()
+    assert "\n" not in out and "Traceback" not in out
+    return out

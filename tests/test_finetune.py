@@ -20,7 +20,7 @@ from model.checkpoint import TRAINING_STATE, load_checkpoint, save_checkpoint
 from model.task_head import HEAD_FILE, load_task
 from model.tokenizer import Tokenizer
 from tests.helpers import tiny_model, write_byte_ranks
-from tests.task_fixtures import word_task_lines, write_jsonl, write_task_checkpoint
+from tests.task_fixtures import one_line_error, word_task_lines, write_jsonl, write_task_checkpoint
 from training.config import ConfigError, FinetuneConfig, build_config
 from training.task_data import ExampleSampler, TaskDataError, read_task_file
 
@@ -144,10 +144,8 @@ def test_every_task_kind_fine_tunes(tmp_path, files, kind, lines):
 def test_bad_jsonl_is_one_line_naming_file_and_line(tmp_path, files, capsys, content, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(content)
-    capsys.readouterr()
-    assert finetune(files, tmp_path / "o", "--init-from", str(files["base"]), train=bad) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("python -m training.finetune: error: ") and "\n" not in err
+    err = one_line_error(capsys, lambda: finetune(files, tmp_path / "o", "--init-from", str(files["base"]), train=bad))
+    assert err.startswith("python -m training.finetune: error: ")
     assert f"{bad}{message}" in err
 
 
@@ -165,11 +163,7 @@ def test_other_task_data_errors(tmp_path):
 
 def test_cli_errors(tmp_path, files, capsys):
     def err(*args, **kw) -> str:
-        capsys.readouterr()
-        assert finetune(files, tmp_path / "o", *args, **kw) == 2
-        out = capsys.readouterr().err.strip()
-        assert "\n" not in out and "Traceback" not in out
-        return out
+        return one_line_error(capsys, lambda: finetune(files, tmp_path / "o", *args, **kw))
 
     init = ("--init-from", str(files["base"]))
     assert "unknown config key 'lm_weigth'; did you mean 'lm_weight'?" in err(*init, "--set", "lm_weigth=1")

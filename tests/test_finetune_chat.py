@@ -19,7 +19,8 @@ from model.checkpoint import TRAINING_STATE, load_checkpoint, save_checkpoint
 from model.special_tokens import add_special_tokens
 from model.tokenizer import EOT, Tokenizer
 from tests.helpers import tiny_model, write_byte_ranks
-from training.chat_data import ChatDataError, TokenDir, chat_batch, encode_chat_file, parse_conversation
+from tests.task_fixtures import one_line_error, write_jsonl
+from training.chat_data import ChatDataError, TokenDir, chat_batch, encode_chat_file, pack_row, parse_conversation
 from training.chat_encoding import ChatEncoder, Message
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -43,11 +44,6 @@ def echo_lines(n: int, seed: int) -> list[dict]:
         out.append({"messages": [{"role": "system", "content": "Echo in capitals."}, {"role": "user", "content": w},
                                  {"role": "assistant", "content": w.upper()}]})
     return out
-
-
-def write_jsonl(path: Path, lines: list) -> Path:
-    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +107,7 @@ def test_loss_mask_context_tokens_change_no_gradient_assistant_tokens_do(chat_to
     torch.manual_seed(0)
     model = tiny_model(0, vocab_size=chat_tok.vocab_size, block_size=64).train()
     ids, learn = sft_encoder(chat_tok).encode(CONV)
-    row = np.asarray(ids, dtype=np.uint32) | np.where(learn, np.uint32(1 << 31), np.uint32(0))
+    row = pack_row(ids, learn)
     x, y = chat_batch([row], chat_tok.eot_id)
     assert torch.equal(x[0], torch.tensor(ids[:-1])) and (y >= 0).sum() == sum(learn[1:])
     base = grads(model, x, y)
@@ -172,10 +168,8 @@ def test_prompt_completion_forms(chat_tok):
 ])
 def test_bad_lines_are_one_line_naming_file_and_line(tmp_path, files, capsys, line, message):
     bad = write_jsonl(tmp_path / "bad.jsonl", [echo_lines(1, 0)[0], line])
-    capsys.readouterr()
-    assert finetune(files, tmp_path / "o", "--init-from", str(files["base"]), train=bad) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("python -m training.finetune: error: ") and "\n" not in err and "Traceback" not in err
+    err = one_line_error(capsys, lambda: finetune(files, tmp_path / "o", "--init-from", str(files["base"]), train=bad))
+    assert err.startswith("python -m training.finetune: error: ")
     assert f"{bad}{message}" in err
 
 
@@ -272,11 +266,7 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run_exactly(tmp_path, fil
 
 def test_cli_refusals(tmp_path, files, capsys):
     def err(*args, **kw) -> str:
-        capsys.readouterr()
-        assert finetune(files, tmp_path / "o", *args, **kw) == 2
-        out = capsys.readouterr().err.strip()
-        assert "\n" not in out and "Traceback" not in out
-        return out
+        return one_line_error(capsys, lambda: finetune(files, tmp_path / "o", *args, **kw))
 
     init = ("--init-from", str(files["base"]))
     assert "--lm-weight is for the classification tasks" in err(*init, "--lm-weight", "0.5")

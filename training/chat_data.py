@@ -123,6 +123,11 @@ class ChatSet:
         return int(self.offsets[-1])
 
 
+def pack_row(ids: list[int], learn: list[bool]) -> np.ndarray:
+    """One conversation as the token file stores it: uint32 ids, LEARN_BIT set on the learned ones."""
+    return np.asarray(ids, dtype=np.uint32) | np.where(np.asarray(learn, dtype=bool), LEARN_BIT, np.uint32(0))
+
+
 def encode_chat_file(path: str | Path, encoder: ChatEncoder, block_size: int, overlong: str,
                      workdir: str | Path) -> ChatSet:
     """Read, check and encode a conversation file into `workdir` (a streaming pass over the file)."""
@@ -154,8 +159,7 @@ def encode_chat_file(path: str | Path, encoder: ChatEncoder, block_size: int, ov
                     continue
                 ids, learn = ids[:limit], learn[:limit]
                 stats["truncated"] += 1
-            row = np.asarray(ids, dtype=np.uint32) | np.where(np.asarray(learn), LEARN_BIT, np.uint32(0))
-            out.write(row.astype(np.uint32).tobytes())
+            out.write(pack_row(ids, learn).tobytes())
             offsets.append(offsets[-1] + len(ids))
             stats["learned_tokens"] += sum(learn[1:])
     if len(offsets) == 1:

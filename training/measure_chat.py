@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model.chat_template import ChatTemplate, load_chat_template
+from model.chat_template import ChatTemplate, load_chat_template, template_special_tokens
 from model.checkpoint import load_checkpoint
 from model.special_tokens import add_special_tokens
 from model.tokenizer import EOT
@@ -53,6 +53,7 @@ def reply_loss(model, encoder: ChatEncoder, conversations: list[list[Message]],
     """(summed nats, learned tokens) of each conversation; None where it does not fit the context.
     then: tokens appended to the conversation and learned too (what ends a transcript's reply)."""
     block = model.config.block_size
+    device = next(model.parameters()).device
     out = []
     for msgs in conversations:
         ids, learn = encoder.encode(msgs)
@@ -60,7 +61,6 @@ def reply_loss(model, encoder: ChatEncoder, conversations: list[list[Message]],
         if len(ids) > block + 1:
             out.append(None)
             continue
-        device = next(model.parameters()).device
         x = torch.tensor(ids[:-1], device=device)[None]
         y = torch.tensor([i if f else -1 for i, f in zip(ids[1:], learn[1:])], device=device)[None]
         logits, _ = model(x)
@@ -105,7 +105,7 @@ def throughput(checkpoint: str, train: str, text: str, rounds: int, steps: int, 
     ck = load_checkpoint(checkpoint)
     model = ck.model
     template = training_template(ck.path, None)
-    tok = add_special_tokens(model, ck.tokenizer, ["<|system|>", "<|user|>", "<|assistant|>"])
+    tok = add_special_tokens(model, ck.tokenizer, template_special_tokens(template))  # as chat_finetune adds them
     model.train()
     cfg = FinetuneConfig(batch_size=batch_size, learning_rate=1e-5, min_lr=1e-6)
     opt = make_optimizer(model, cfg, torch.device("cpu"))

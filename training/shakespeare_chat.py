@@ -62,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         for split, lines in built.items():
             (out / f"{split}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
+        summary = {"conversations": {s: len(v) for s, v in built.items()}, "max_chars": args.max_chars}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     except (OSError, UnicodeDecodeError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    summary = {"conversations": {s: len(v) for s, v in built.items()}, "max_chars": args.max_chars}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
     return 0
 

@@ -206,7 +206,7 @@ class Int8Linear(_Served):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.dtype = dtype
-        self.bias = None if bias is None else bias.detach().float().clone()
+        self.bias = None if bias is None else bias.detach().to(torch.float32, copy=True)
         self.fbgemm = None
         self.q = self.scale = None
         if q.device.type == "cpu" and HAS_FBGEMM:
@@ -251,7 +251,7 @@ class Int4Linear(_Served):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group, self.dtype = group, dtype
-        self.bias = None if bias is None else bias.detach().float().clone()
+        self.bias = None if bias is None else bias.detach().to(torch.float32, copy=True)
         # (in/group, out, 2): scale and zero of each group, the kernels' layout
         self.scales_zeros = torch.stack([scale.t(), zero.t()], -1).contiguous().to(torch.bfloat16)
         if q.device.type == "cpu":

@@ -167,5 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{out}: {args.mode} weights, {size / 1e6:.1f} MB (from {(src / WEIGHTS).stat().st_size / 1e6:.1f} MB)")
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -214,7 +214,9 @@ class EngineCore:
             self.max_batch_seen = max(self.max_batch_seen, n)
             proposals = self._proposals(step.decode)
             if proposals is not None:
-                draws += self._verify(step.decode, proposals, masks)
+                verified = self._verify(step.decode, proposals, masks)
+                self.generated_tokens += sum(map(len, verified)) - n  # the tokens beyond a row's one (below)
+                draws += verified
             else:
                 if self._graphed is not None:
                     logits = self._graphed(self.sampler.last[:n], n)
@@ -222,7 +224,7 @@ class EngineCore:
                     logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
                 draws += self.sampler.step(logits, range(n), masks.next(step.decode) if masks else None)
             self.decode_steps += 1
-        self.generated_tokens += sum(len(d) if isinstance(d, list) else 1 for d in draws)
+        self.generated_tokens += len(draws)
         if masks:
             masks.advance(draws)
         return draws

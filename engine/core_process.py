@@ -31,6 +31,14 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from engine.spec_decode.config import (  # torch-free: the fronts import this module
+    DEFAULT_DRAFT_P_MIN,
+    DEFAULT_K,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_NGRAM_MAX,
+    DEFAULT_NGRAM_MIN,
+)
+
 log = logging.getLogger("engine")
 
 
@@ -61,11 +69,11 @@ class CoreConfig:
     cuda_graphs: bool | None = None
     log_level: str = "info"
     speculative: str = "off"
-    num_speculative_tokens: int = 8
-    speculative_ngram_min: int = 3
-    speculative_ngram_max: int = 4
-    speculative_max_batch: int = 4
-    speculative_draft_p_min: float = 0.0
+    num_speculative_tokens: int = DEFAULT_K
+    speculative_ngram_min: int = DEFAULT_NGRAM_MIN
+    speculative_ngram_max: int = DEFAULT_NGRAM_MAX
+    speculative_max_batch: int = DEFAULT_MAX_BATCH
+    speculative_draft_p_min: float = DEFAULT_DRAFT_P_MIN
 
     @classmethod
     def from_settings(cls, s) -> CoreConfig:

@@ -76,6 +76,7 @@ def test_metrics_and_info_report_proposals_and_acceptance():
         assert 'gpt_spec_proposed_tokens_total{method="ngram"}' in text
         assert 'gpt_spec_accepted_tokens_total{method="ngram"}' in text
         assert 'gpt_spec_acceptance_rate{method="ngram"}' in text
+        assert "gpt_generated_tokens_total 60.0" in text  # the core's count too: a verified row's every token
 
 
 def test_served_text_streams_and_stop_strings_are_those_without_speculation():

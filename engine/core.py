@@ -28,8 +28,9 @@ Speculative decoding (engine/spec_decode; `speculative`, off by default): in a s
 `SpecConfig.max_batch` requests, the speculating ones get proposals (prompt lookup or a draft model) and the
 decode pass scores [last, d1..dk] for every row at once (`_verify`). The sampler then draws position j of the rows
 still alive with its own seeded noise, penalties, bias, min_tokens and grammar state as if d1..dj were taken (they
-were, exactly when each was the draw): a row emits its draws up to the first that differs from its proposal, and
-its cache keeps the positions of the tokens it emitted. The tokens are those of a run without speculation.
+were, exactly when each was the draw): a row emits its draws up to the first that differs from its proposal or ends
+its request (nothing after it is drawn), and its cache keeps the positions of the tokens it emitted. The tokens are
+those of a run without speculation.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch
 from engine.prompt_logprobs import PROMPT_LOGPROBS_PIECE, PromptScorer
 from engine.request import EngineRequest, ErrorKind, RequestOutput, check_context
 from engine.sampling import Sampler, SamplingParams, bad_token
-from engine.scheduler import Scheduler, Step
+from engine.scheduler import Scheduler, Step, finish_reason
 from engine.spec_decode import SpecConfig, Speculator
 from engine.spec_decode.config import VERIFY_POSITIONS
 from engine.structured_output import Grammars, Matchers
@@ -269,8 +270,10 @@ class EngineCore:
     def _verify(self, decode, proposals: list[list[int]], masks) -> list[list]:
         """Score every decoding row at 1 + its proposal's positions in one pass, then draw position by position
         over the rows whose proposals held so far: each row's draws (a list) up to and including the first that
-        differs from its proposal (or the one after its last proposed token). The slots keep the positions of the
-        tokens emitted; the rest of the pass's entries lie past their lengths, to be overwritten."""
+        differs from its proposal (or the one after its last proposed token), or that ends its request (EOS, a stop
+        id, max_new_tokens, a complete grammar: the scheduler's rule, engine.scheduler.finish_reason), so no position
+        after it is drawn and the accepted count is what is emitted. The slots keep the positions of the tokens
+        emitted; the rest of the pass's entries lie past their lengths, to be overwritten."""
         n, spec = len(decode), self.speculator
         T = 1 + max(len(p) for p in proposals)
         idx = torch.zeros(n, T, dtype=torch.long)
@@ -285,7 +288,14 @@ class EngineCore:
         out = [[d] for d in self.sampler.step(logits[:, 0], range(n), masks.next(decode) if masks else None)]
         matchers = self._matchers if masks else None
         self._accept_grammar(matchers, decode, [o[0] for o in out])
-        alive = [i for i in range(n) if proposals[i] and out[i][0].token == proposals[i][0] and not out[i][0].stop]
+        eos = self.scheduler.eos_id
+
+        def goes_on(i: int, d, j: int) -> bool:  # d, row i's draw at position j, is its proposal and ends nothing
+            r = decode[i]
+            return (j < len(proposals[i]) and d.token == proposals[i][j]
+                    and finish_reason(r.request.params, eos, r.generated + j + 1, d) is None)
+
+        alive = [i for i in range(n) if goes_on(i, out[i][0], 0)]
         j = 1
         while alive:
             rows = device_index(alive, self.device)
@@ -295,8 +305,7 @@ class EngineCore:
             self._accept_grammar(matchers, [decode[i] for i in alive], ds)
             for i, d in zip(alive, ds):
                 out[i].append(d)
-            alive = [i for i, d in zip(alive, ds) if j < len(proposals[i]) and d.token == proposals[i][j]
-                     and not d.stop]
+            alive = [i for i, d in zip(alive, ds) if goes_on(i, d, j)]
             j += 1
         for i, r in enumerate(decode):
             self.cache.truncate(i, before[i] + len(out[i]))

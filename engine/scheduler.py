@@ -44,7 +44,25 @@ from dataclasses import dataclass, field
 
 from engine.prefix_cache import DEFAULT_BLOCK, PrefixIndex
 from engine.request import EngineRequest, ErrorKind, RequestOutput
+from engine.sampling import SamplingParams
 from engine.stopping import FinishReason
+
+
+def finish_reason(params: SamplingParams, eos_id: int | None, generated: int, draw) -> FinishReason | None:
+    """How a request ends when `draw` (.token; .stop: its grammar is complete, engine/structured_output.py) is its
+    `generated`-th token, or None: EOS (when it stops at EOS) or one of its stop_token_ids, both only past min_tokens
+    (the sampler suppresses them until then); a complete grammar (FinishReason.EOS if it took EOS); max_new_tokens.
+    The one rule: `Scheduler.update` ends requests by it, and the engine core stops verifying a row's proposal at
+    the token it ends (EngineCore._verify)."""
+    stop = getattr(draw, "stop", False)
+    may_stop = generated > params.min_tokens
+    if draw.token == eos_id and ((params.stop_at_eos and may_stop) or stop):
+        return FinishReason.EOS
+    if stop or (params.stop_token_ids and draw.token in params.stop_token_ids and may_stop):
+        return FinishReason.STOP
+    if generated >= params.max_new_tokens:
+        return FinishReason.LENGTH
+    return None
 
 
 @dataclass(eq=False)
@@ -246,14 +264,7 @@ class Scheduler:
                 r.generated += 1
                 if self.prefix is not None:
                     r.out.append(d.token)
-                stop = getattr(d, "stop", False)  # its grammar is complete (engine/structured_output.py)
-                may_stop = r.generated > params.min_tokens  # the sampler suppresses stops until then
-                if d.token == self.eos_id and ((params.stop_at_eos and may_stop) or stop):
-                    finish = FinishReason.EOS
-                elif stop or (params.stop_token_ids and d.token in params.stop_token_ids and may_stop):
-                    finish = FinishReason.STOP
-                elif r.generated >= params.max_new_tokens:
-                    finish = FinishReason.LENGTH
+                finish = finish_reason(params, self.eos_id, r.generated, d)
                 out.token_ids.append(d.token)
                 out.logprobs.append(d.logprob)
                 if out.top is not None:

@@ -16,6 +16,7 @@ from engine.generate import generate
 from engine.request import EngineRequest, StructuredSpec
 from engine.sampling import SamplingParams
 from engine.spec_decode import parse_speculative
+from engine.stopping import FinishReason
 from model.checkpoint import load_checkpoint
 from tests.helpers import tiny_model
 
@@ -33,7 +34,8 @@ def ck():
 
 
 def make_core(ck, spec="off", n_slots=4, **kw) -> EngineCore:
-    return EngineCore(ck.model, n_slots=n_slots, vocab_size=ck.tokenizer.vocab_size, eos_id=ck.tokenizer.eot_id,
+    return EngineCore(ck.model, n_slots=n_slots, vocab_size=ck.tokenizer.vocab_size,
+                      eos_id=kw.pop("eos_id", ck.tokenizer.eot_id),
                       speculative=parse_speculative(spec, **kw.pop("spec_kw", {})), pad_vocab=False, **kw)
 
 
@@ -125,6 +127,58 @@ def test_max_new_tokens_and_eos_cut_a_verified_run(ck):
     off, on, _ = run_both(ck, cases, n_slots=4)
     assert_same(off, on)
     assert all(len(v["tokens"]) <= 7 for v in on.values())
+
+
+@pytest.mark.parametrize("case", ["eos", "stop_id", "stop_id_at_min_tokens", "ignore_eos", "max_tokens"])
+def test_verification_draws_nothing_after_the_token_that_ends_a_request(ck, case):
+    """Proposals that are the request's own tokens (those of a run without speculation, so all accepted), then
+    filler past its end: a row stops at the token that ends it (EOS, a stop id once min_tokens are out), so the
+    sampler draws each of the request's tokens once and nothing after; the accepted counter (and generated_tokens)
+    count only the tokens emitted. A request that ignores EOS goes on past it. The bundled model's greedy text
+    here: "ly, and I'll tell thee.\n\nROMEO:..." ('.' its 8th token, '\n' its 9th)."""
+    tok = ck.tokenizer
+    (dot,), (nl,) = tok.encode("."), tok.encode("\n")
+    eos, params, finish = tok.eot_id, dict(max_new_tokens=40, temperature=0), FinishReason.LENGTH
+    if case == "eos":
+        eos, finish = dot, FinishReason.EOS
+    elif case == "stop_id":
+        params["stop_token_ids"], finish = [dot], FinishReason.STOP
+    elif case == "stop_id_at_min_tokens":  # the first '\n' is the 9th token: min_tokens 8 lets it end the request
+        params |= dict(stop_token_ids=[nl], min_tokens=8)
+        finish = FinishReason.STOP
+    elif case == "ignore_eos":
+        eos, params["stop_at_eos"] = dot, False
+    else:
+        params["max_new_tokens"] = 12
+    prompt = tok.encode(PROMPTS[0])
+
+    def request():
+        return [EngineRequest("a", prompt, SamplingParams(**params), seed=0)]
+
+    off = flat(drive(make_core(ck, "off", n_slots=1, eos_id=eos), request()))
+    script = off["a"]["tokens"]
+    assert off["a"]["finish"] == finish and len(script) == {"eos": 8, "stop_id": 8, "stop_id_at_min_tokens": 9,
+                                                            "ignore_eos": 40, "max_tokens": 12}[case]
+    core = make_core(ck, "ngram", n_slots=1, eos_id=eos)
+    spec = core.speculator
+
+    def propose(ids, limits):  # the script from the request's next token on, then filler, within the core's limits
+        return [(script[len(spec.tokens[rid]) - len(prompt):] + [0] * lim)[:lim] for rid, lim in zip(ids, limits)]
+
+    drawn = []
+    sample = core.sampler.step
+
+    def count(logits, slots, bitmask=None):
+        drawn.append(len(slots))
+        return sample(logits, slots, bitmask)
+
+    spec.propose, core.sampler.step = propose, count
+    on = flat(drive(core, request()))
+    assert_same(off, on)
+    n = len(script)
+    assert sum(drawn) == n  # every draw is emitted: none after the last token
+    assert spec.accepted == n - 1 - core.decode_steps > 0  # the tokens beyond the prefill's and one per step
+    assert core.stats()["generated_tokens"] == n
 
 
 def test_stop_strings_through_the_library(ck):

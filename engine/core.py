@@ -245,8 +245,9 @@ class EngineCore:
                 convert(draft_model, quantize, int4_group)
                 if self.device.type == "cpu":
                     tune(draft_model)
+            # its cache in the served cache's dtype: engine/sizing.py budgets a slot as the two KV slots in that dtype
             draft = DraftProposer(draft_model, self.n_slots, self.vocab_size, max_len=self.max_len,
-                                  p_min=config.draft_p_min)
+                                  kv_dtype=self.kv_dtype, p_min=config.draft_p_min)
         return Speculator(config, draft)
 
     def _proposals(self, decode) -> list[list[int]] | None:

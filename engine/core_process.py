@@ -155,34 +155,62 @@ def serving_dtype(cfg: CoreConfig, device, dtype) -> tuple[Any, dict | None]:
 
 def check_fits(cfg: CoreConfig, device, dtype, available: int | None = None) -> None:
     """Before loading: the weights as loaded plus one full-length KV slot must fit the free memory, else a one-line
-    StartupError (the kernel's OOM killer ends a process that tries, with no word to the user)."""
+    StartupError (the kernel's OOM killer ends a process that tries, with no word to the user). A draft model
+    (GPT_SPECULATIVE=draft:CHECKPOINT) counts too: its weights, and its KV slot beside the served model's
+    (engine.sizing.slot_kv_bytes)."""
+    from engine.sizing import available_memory, gib, slot_kv_bytes
+
+    target = _as_loaded(cfg.checkpoint, dtype)
+    if target is None:
+        return
+    config, weights = target
+    path = draft_path(cfg)
+    draft_config, draft_weights = (_as_loaded(path, dtype) if path else None) or (None, 0)
+    kv, draft_kv = slot_kv_bytes(config.n_layer, config.n_embd, config.block_size, resolve_kv_dtype(cfg, dtype),
+                                 draft_config)
+    need = weights + draft_weights + kv + draft_kv
+    free = available_memory(device) if available is None else available
+    if need > free:
+        draft = (f" (the draft model's {gib(draft_weights)} of weights and {gib(draft_kv)} of KV slot included)"
+                 if draft_config is not None else "")
+        raise StartupError(f"{cfg.checkpoint}: the weights ({gib(weights + draft_weights)} as loaded) plus one "
+                           f"full-length KV slot ({gib(kv + draft_kv)}) need {gib(need)}{draft} but {gib(free)} is "
+                           f"available on {device}")
+
+
+def _as_loaded(checkpoint: str, dtype):
+    """(config, bytes of the weights as loading holds them) of a checkpoint, or None when its files cannot be read
+    (load_checkpoint then reports what is wrong with them, in its words)."""
     import torch
 
-    from engine.sizing import available_memory, gib, kv_bytes_per_slot
     from model.checkpoint import WEIGHTS, read_config
     from model.quantize import QUANTIZATION
 
-    path = Path(cfg.checkpoint) / WEIGHTS
     try:
-        config = read_config(cfg.checkpoint)
-        stored = path.stat().st_size
+        config = read_config(checkpoint)
+        stored = (Path(checkpoint) / WEIGHTS).stat().st_size
     except Exception:  # noqa: BLE001 - load_checkpoint reports what is wrong with the files, in its words
-        return
+        return None
     # loading reads the stored tensors and converts them to the serving dtype (int8/int4 are made from those)
-    elsize = torch.empty((), dtype=dtype).element_size()
-    quantized = (Path(cfg.checkpoint) / QUANTIZATION).is_file()  # loads as stored, no fp32 copy on the way
-    if quantized:
-        weights = stored
-    else:
-        from model.gpt import GPT
+    if (Path(checkpoint) / QUANTIZATION).is_file():  # loads as stored, no fp32 copy on the way
+        return config, stored
+    from model.gpt import GPT
 
-        with torch.device("meta"):  # the parameter count, without allocating it
-            weights = max(stored, GPT(config).num_params(non_embedding=False) * elsize)
-    slot = kv_bytes_per_slot(config.n_layer, config.n_embd, config.block_size, resolve_kv_dtype(cfg, dtype))
-    free = available_memory(device) if available is None else available
-    if weights + slot > free:
-        raise StartupError(f"{cfg.checkpoint}: the weights ({gib(weights)} as loaded) plus one full-length KV slot "
-                           f"({gib(slot)}) need {gib(weights + slot)} but {gib(free)} is available on {device}")
+    elsize = torch.empty((), dtype=dtype).element_size()
+    with torch.device("meta"):  # the parameter count, without allocating it
+        return config, max(stored, GPT(config).num_params(non_embedding=False) * elsize)
+
+
+def draft_path(cfg: CoreConfig) -> str | None:
+    """The draft checkpoint of GPT_SPECULATIVE=draft:CHECKPOINT, or None (another method, or settings that
+    `speculation` refuses with its own one-line error)."""
+    from engine.spec_decode import SpecError, parse_speculative
+
+    try:
+        spec = parse_speculative(cfg.speculative)
+    except SpecError:
+        return None
+    return spec.draft if spec.method == "draft" else None
 
 
 def resolve_kv_dtype(cfg: CoreConfig, dtype):
@@ -210,15 +238,17 @@ def build_core(cfg: CoreConfig, loaded=None):
         raise StartupError(f"cannot load the task head: {e}") from None
     block = ckpt.config.block_size
     kv_dtype = resolve_kv_dtype(cfg, dtype)
-    try:  # measured now, with the weights loaded (before the int8/int4 swap frees the fp32 copy: conservative)
+    spec, draft = speculation(cfg, ckpt, device, dtype)  # the draft's weights loaded before free memory is measured
+    try:  # measured now, with the weights loaded (before the int8/int4 swap frees the fp32 copy: conservative); a
+        # slot costs the draft's KV slot too
         plan = plan_slots(ckpt.config.n_layer, ckpt.config.n_embd, block, device, kv_dtype,
                           max_batch_size=cfg.max_batch_size, kv_cache_memory=cfg.kv_cache_memory,
-                          memory_fraction=cfg.kv_cache_memory_fraction)
+                          memory_fraction=cfg.kv_cache_memory_fraction,
+                          draft=draft.config if draft is not None else None)
     except SizingError as e:
         raise StartupError(str(e)) from None
     slots = plan.slots
     n_params = ckpt.model.num_params()
-    spec, draft = speculation(cfg, ckpt, device, dtype)
     try:
         core = EngineCore(ckpt.model, n_slots=slots, vocab_size=ckpt.tokenizer.vocab_size,
                           eos_id=ckpt.tokenizer.eot_id, prefill_chunk=cfg.prefill_chunk,
@@ -237,7 +267,11 @@ def build_core(cfg: CoreConfig, loaded=None):
                             "weights": core.weights["format"], "weight_bytes": core.weight_bytes,
                             "kv_cache": {"bytes": core.cache.nbytes(), "slots": slots, "per_slot": plan.per_slot,
                                          "dtype": DTYPE_NAMES.get(kv_dtype, str(kv_dtype)),
-                                         "budget": plan.budget, "available": plan.available},
+                                         "budget": plan.budget, "available": plan.available,
+                                         # the draft model's KV slots (speculative decoding), within the budget
+                                         "draft_per_slot": plan.draft_per_slot,
+                                         "draft_bytes": core.speculator.draft.cache.nbytes()
+                                         if draft is not None else 0},
                             "kernels": {f"{o}x{i}": k for (o, i), k in core.kernels.items()},
                             "dtype_choice": serving_dtype(cfg, device, dtype)[1],
                             "torch_threads": torch.get_num_threads() if device.type == "cpu" else None,

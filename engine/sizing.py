@@ -1,10 +1,13 @@
 """How many KV-cache slots the engine core gets: the one place memory settings become a slot count.
 
 A slot holds one full-length sequence: keys and values of every layer, `2 · n_layer · context · n_embd` elements in
-the cache's dtype, plus the sampler's per-slot rows (a 4 MiB allowance). The budget for them (`GPT_KV_CACHE_MEMORY`)
-is bytes ("4GiB", "512MB", "1000000") or a fraction (0 < x <= 1) of the memory available once the weights are loaded:
-the GPU's free memory (`torch.cuda.mem_get_info`) or, on a CPU, the kernel's MemAvailable. Left unset it is
-`kv_cache_memory_fraction` (0.5) of that, as vLLM's `gpu_memory_utilization` / `VLLM_CPU_KVCACHE_SPACE` bound theirs.
+the cache's dtype, plus the sampler's per-slot rows (a 4 MiB allowance). With a draft model (speculative decoding,
+engine/spec_decode/draft.py) each slot also has the draft's own KV slot, in the same dtype, as long as the context
+or the draft's block_size if shorter (`slot_kv_bytes`): start-up's fit check and the slot count both take a slot as
+the two together. The budget for them (`GPT_KV_CACHE_MEMORY`) is bytes ("4GiB", "512MB", "1000000") or a fraction
+(0 < x <= 1) of the memory available once the weights (a draft's too) are loaded: the GPU's free memory
+(`torch.cuda.mem_get_info`) or, on a CPU, the kernel's MemAvailable. Left unset it is `kv_cache_memory_fraction`
+(0.5) of that, as vLLM's `gpu_memory_utilization` / `VLLM_CPU_KVCACHE_SPACE` bound theirs.
 The default slot count is then as many as the budget holds, up to 32 on a CPU (sampled traffic stops scaling
 past that on 2 cores: bench/stack.py, bench/serve.py) and 256 on a GPU; a budget that holds no slot is a one-line
 start-up error saying what would fit.
@@ -67,16 +70,28 @@ def kv_bytes_per_slot(n_layer: int, n_embd: int, context: int, dtype: torch.dtyp
     return 2 * n_layer * context * n_embd * torch.empty((), dtype=dtype).element_size()
 
 
+def slot_kv_bytes(n_layer: int, n_embd: int, context: int, dtype: torch.dtype, draft=None) -> tuple[int, int]:
+    """KV bytes of one full-length slot: (the served model's, the draft model's). `draft`: the draft's config
+    (n_layer, n_embd, block_size) or None (0 bytes); its slot holds min(context, draft.block_size) tokens in the
+    served cache's dtype (DraftProposer's cache, one slot per engine slot). The one rule for what a slot costs:
+    `plan_slots` and start-up's fit check (engine/core_process.check_fits) both use it."""
+    kv = kv_bytes_per_slot(n_layer, n_embd, context, dtype)
+    if draft is None:
+        return kv, 0
+    return kv, kv_bytes_per_slot(draft.n_layer, draft.n_embd, min(context, draft.block_size), dtype)
+
+
 @dataclass
 class SlotPlan:
     slots: int
-    per_slot: int  # KV bytes of one full-length slot
+    per_slot: int  # KV bytes of one full-length slot (the served model's)
     budget: int  # bytes the cache may take
     available: int  # bytes free when the plan was made
+    draft_per_slot: int = 0  # KV bytes of the draft model's slot beside each one (speculative decoding)
 
     @property
     def kv_bytes(self) -> int:
-        return self.slots * self.per_slot
+        return self.slots * (self.per_slot + self.draft_per_slot)
 
 
 def gib(n: float) -> str:
@@ -85,12 +100,13 @@ def gib(n: float) -> str:
 
 def plan_slots(n_layer: int, n_embd: int, context: int, device: torch.device, kv_dtype: torch.dtype, *,
                max_batch_size: int | None = None, kv_cache_memory: str | float | None = None,
-               memory_fraction: float = 0.5, available: int | None = None) -> SlotPlan:
+               memory_fraction: float = 0.5, available: int | None = None, draft=None) -> SlotPlan:
     """Slots for the cache: `max_batch_size` when given (it must fit an explicit budget), else as many as the budget
-    holds, capped (32 on a CPU, 256 on a GPU). `available` overrides the measured free memory (tests)."""
+    holds, capped (32 on a CPU, 256 on a GPU). `draft`: the draft model's config: a slot then costs its KV slot too
+    (`slot_kv_bytes`). `available` overrides the measured free memory (tests)."""
     free = available_memory(device) if available is None else available
-    kv = kv_bytes_per_slot(n_layer, n_embd, context, kv_dtype)
-    per_slot = kv + SLOT_ALLOWANCE
+    kv, draft_kv = slot_kv_bytes(n_layer, n_embd, context, kv_dtype, draft)
+    per_slot = kv + draft_kv + SLOT_ALLOWANCE
     spec = parse_memory(kv_cache_memory)
     if spec is None:
         budget = int(free * memory_fraction)
@@ -104,12 +120,13 @@ def plan_slots(n_layer: int, n_embd: int, context: int, device: torch.device, kv
             raise SizingError(f"max_batch_size {max_batch_size} needs {gib(max_batch_size * per_slot)} of KV cache "
                               f"({gib(per_slot)} a full-length slot) but kv_cache_memory gives {gib(budget)}: "
                               f"{fits} slot(s) fit")
-        return SlotPlan(max_batch_size, kv, budget, free)
+        return SlotPlan(max_batch_size, kv, budget, free, draft_kv)
     if fits < 1:
+        with_draft = f", the draft model's {gib(draft_kv)} of it" if draft_kv else ""
         raise SizingError(
             f"the KV-cache budget ({gib(budget)} of {gib(free)} available) holds no full-length slot: one needs "
             f"{gib(per_slot)} ({n_layer} layers x {context} tokens x {n_embd} dims x 2 in "
-            f"{str(kv_dtype).removeprefix('torch.')}); raise GPT_KV_CACHE_MEMORY, use GPT_KV_CACHE_DTYPE=bf16, "
-            "or free memory")
+            f"{str(kv_dtype).removeprefix('torch.')}{with_draft}); raise GPT_KV_CACHE_MEMORY, use "
+            "GPT_KV_CACHE_DTYPE=bf16, or free memory")
     cap = GPU_MAX_BATCH if device.type == "cuda" else CPU_DEFAULT_BATCH
-    return SlotPlan(min(cap, fits), kv, budget, free)
+    return SlotPlan(min(cap, fits), kv, budget, free, draft_kv)

@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine.core_process import CoreConfig, StartupError, check_fits
-from engine.sizing import SLOT_ALLOWANCE, SizingError, kv_bytes_per_slot, parse_memory, plan_slots
+from engine.sizing import SLOT_ALLOWANCE, SizingError, kv_bytes_per_slot, parse_memory, plan_slots, slot_kv_bytes
 
 CPU = torch.device("cpu")
 GIB = 2**30
+SHAKESPEARE = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare"  # 4 layers, 256 dims, 256 tokens
 # GPT-2 124M: 12 layers, 768 dims, 1,024 tokens: 72 MiB of fp32 keys and values a slot
 GPT2 = dict(n_layer=12, n_embd=768, context=1024)
 
@@ -50,6 +52,64 @@ def test_a_budget_without_one_slot_is_a_one_line_error():
     with pytest.raises(SizingError, match="max_batch_size 64 needs"):
         plan_slots(**GPT2, device=CPU, kv_dtype=torch.float32, available=20 * GIB, kv_cache_memory="1GiB",
                    max_batch_size=64)
+
+
+def test_a_draft_models_kv_slot_is_part_of_every_slot():
+    """Speculative decoding with a draft model: each slot has the draft's KV slot beside it (its layers and width,
+    as long as the context or its own block_size if shorter, in the cache's dtype), so a slot costs both."""
+    draft = SimpleNamespace(n_layer=2, n_embd=768, block_size=512)  # a shorter context than GPT-2's 1,024
+    draft_kv = kv_bytes_per_slot(2, 768, 512, torch.float32)
+    assert slot_kv_bytes(**GPT2, dtype=torch.float32, draft=draft) == (kv_bytes_per_slot(**GPT2, dtype=torch.float32),
+                                                                      draft_kv)
+    assert slot_kv_bytes(**GPT2, dtype=torch.bfloat16, draft=draft)[1] * 2 == draft_kv
+    per = kv_bytes_per_slot(**GPT2, dtype=torch.float32) + draft_kv + SLOT_ALLOWANCE
+    plan = plan_slots(**GPT2, device=CPU, kv_dtype=torch.float32, available=20 * GIB, kv_cache_memory="1GiB",
+                      draft=draft)
+    assert plan.slots == GIB // per == 12  # 13 without the draft
+    assert plan.draft_per_slot == draft_kv and plan.kv_bytes == 12 * (plan.per_slot + draft_kv)
+    with pytest.raises(SizingError, match="max_batch_size 13 needs"):  # fits without the draft, not with it
+        plan_slots(**GPT2, device=CPU, kv_dtype=torch.float32, available=20 * GIB, kv_cache_memory="1GiB",
+                   max_batch_size=13, draft=draft)
+    with pytest.raises(SizingError, match="the draft model's 0.01 GiB of it"):
+        plan_slots(**GPT2, device=CPU, kv_dtype=torch.float32, available=20 * GIB, kv_cache_memory="80MB",
+                   draft=draft)  # 72 MiB + 4 MiB fit; + the draft's 6 MiB do not
+
+
+def test_start_up_counts_a_draft_models_weights_and_kv_slot():
+    from model.checkpoint import WEIGHTS, read_config
+    from model.gpt import GPT
+
+    config = read_config(SHAKESPEARE)
+    with torch.device("meta"):
+        weights = max((SHAKESPEARE / WEIGHTS).stat().st_size, 4 * GPT(config).num_params(non_embedding=False))
+    need = weights + kv_bytes_per_slot(config.n_layer, config.n_embd, config.block_size, torch.float32)
+    plain = CoreConfig(checkpoint=str(SHAKESPEARE))
+    drafted = CoreConfig(checkpoint=str(SHAKESPEARE), speculative=f"draft:{SHAKESPEARE}")  # itself as its draft
+    check_fits(plain, CPU, torch.float32, available=need)
+    check_fits(CoreConfig(checkpoint=str(SHAKESPEARE), speculative="ngram"), CPU, torch.float32, available=need)
+    with pytest.raises(StartupError, match="draft model's .* of weights and .* of KV slot included") as e:
+        check_fits(drafted, CPU, torch.float32, available=need)
+    assert "\n" not in str(e.value)
+    check_fits(drafted, CPU, torch.float32, available=2 * need)  # the served model's and the draft's
+
+
+def test_build_core_budgets_and_reports_the_draft_models_kv_cache():
+    from engine.core_process import build_core
+
+    cfg = CoreConfig(checkpoint=str(SHAKESPEARE), device="cpu", dtype="fp32", kv_cache_memory="64MB",
+                     kv_cache_dtype="bf16", warmup=False, speculative=f"draft:{SHAKESPEARE}")
+    core, info, _ = build_core(cfg)
+    kv = info["kv_cache"]
+    one = kv_bytes_per_slot(4, 256, 256, torch.bfloat16)  # 1 MiB: the served model's, and the draft's (the same)
+    assert kv["per_slot"] == kv["draft_per_slot"] == one
+    assert kv["slots"] == core.n_slots == 64_000_000 // (2 * one + SLOT_ALLOWANCE) == 10  # 12 without the draft
+    draft_cache = core.speculator.draft.cache
+    assert draft_cache.k[0].dtype == torch.bfloat16  # the served cache's dtype, as budgeted
+    assert kv["draft_bytes"] == draft_cache.nbytes() == 10 * one and kv["bytes"] == core.cache.nbytes()
+    _, info, _ = build_core(CoreConfig(checkpoint=str(SHAKESPEARE), device="cpu", dtype="fp32", warmup=False,
+                                       kv_cache_memory="64MB", kv_cache_dtype="bf16", speculative="ngram"))
+    assert info["kv_cache"]["draft_per_slot"] == info["kv_cache"]["draft_bytes"] == 0
+    assert info["kv_cache"]["slots"] == 12
 
 
 def test_start_up_refuses_weights_that_do_not_fit():

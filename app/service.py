@@ -121,11 +121,12 @@ class Service:
             max_choices=slots + s.max_queue)
         await self.engine.start()
         kv = info.get("kv_cache") or {}
+        draft_kv = f" + the draft model's {kv['draft_bytes'] / 1e6:.1f} MB" if kv.get("draft_bytes") else ""
         log.info("serving %s (%s parameters, context %d) on %s/%s, weights %s (%.1f MB), %d slots (KV cache %.1f MB "
-                 "%s of a %.1f MB budget), engine in a %s, chat template: %s",
+                 "%s%s of a %.1f MB budget), engine in a %s, chat template: %s",
                  self.checkpoint_path, f"{info['n_params']:,}", block, info["device"], info["dtype"],
                  info.get("weights"), (info.get("weight_bytes") or 0) / 1e6, slots, kv.get("bytes", 0) / 1e6,
-                 kv.get("dtype"), kv.get("budget", 0) / 1e6,
+                 kv.get("dtype"), draft_kv, kv.get("budget", 0) / 1e6,
                  "thread" if s.engine == "thread" else f"process (pid {self.core.pid})", self.chat_template.origin)
 
     def eos_text(self) -> str:

@@ -56,6 +56,21 @@ def test_a_draft_core_reports_its_settings():
     assert core.speculator.draft is not None and core.stats()["speculative"]["proposed_tokens"] == 0
 
 
+def test_info_and_the_start_up_log_state_the_draft_models_kv_cache(caplog):
+    from fastapi.testclient import TestClient
+
+    from tests.app_helpers import make_app, wait_ready
+
+    with caplog.at_level("INFO", logger="app"), TestClient(make_app(
+            Path(SHAKESPEARE), speculative=f"draft:{SHAKESPEARE}", max_batch_size=2, warmup=False,
+            log_level="info")) as client:
+        wait_ready(client.get)
+        kv = client.get("/info").json()["kv_cache"]
+    assert kv["draft_per_slot"] == kv["per_slot"] > 0  # the draft is the served model: the same slot
+    assert kv["draft_bytes"] == 2 * kv["draft_per_slot"] == kv["bytes"]
+    assert f"the draft model's {kv['draft_bytes'] / 1e6:.1f} MB" in caplog.text
+
+
 def test_metrics_and_info_report_proposals_and_acceptance():
     from fastapi.testclient import TestClient
 

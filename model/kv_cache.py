@@ -189,7 +189,9 @@ class CacheStep:
     is_causal: bool = False  # no mask, plain causal attention (T new tokens into empty slots, S == T)
 
     def update(self, cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (B, H, T, D) in place and return the keys/values to attend over (B, H, S, D)."""
+        """Write k, v (B, H, T, D) in place and return the keys/values to attend over (B, H, S, D), in the cache's
+        dtype."""
+        k, v = k.to(cache_k.dtype), v.to(cache_v.dtype)  # index_put (rows of different lengths) does not cast
         if self.start is not None:  # every row writes the same positions: a slice
             cols = slice(self.start, self.start + k.size(2))
             if self.slot_range is not None:
@@ -207,6 +209,4 @@ class CacheStep:
             k_all, v_all = cache_k[self.slot_range, :, : self.kv_len], cache_v[self.slot_range, :, : self.kv_len]
         else:
             k_all, v_all = cache_k[self.slot_index, :, : self.kv_len], cache_v[self.slot_index, :, : self.kv_len]
-        if k_all.dtype != k.dtype:  # a cache kept in a narrower dtype than the model computes in
-            return k_all.to(k.dtype), v_all.to(v.dtype)
-        return k_all, v_all
+        return k_all, v_all  # in the cache's dtype: attention casts the queries to it (model/gpt.py)

@@ -1,6 +1,7 @@
 """Weight formats side by side, in-process: speed, memory and quality of what `GPT_QUANTIZE` / `GPT_DTYPE` serve.
 
     python -m bench.formats [--formats fp32,bf16,int8,int4] [--batches 1,16,64] [--rounds 3] [--out formats]
+    python -m bench.formats --formats fp32,fp32+kv-bf16,int8,int8+kv-bf16 --prompt-tokens 300 --no-quality
 
 Speed: the engine core built as the server builds it (`engine.core_process.build_core`: prepacked / quantized
 weights, the warm-up, 32 slots) on the random GPT-2 124M of bench/common.py; per format, the median time of a
@@ -25,38 +26,51 @@ from typing import Any
 from bench.common import REPO, env_info, median, random_gpt2, write_result
 
 FORMATS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "int8": ("fp32", "int8"), "int4": ("fp32", "int4")}
+# the KV cache in bf16 beside a format's weights (GPT_KV_CACHE_DTYPE=bf16): speed only (evaluate reads no cache)
+KV_VARIANTS = {f"{name}+kv-bf16": fmt for name, fmt in FORMATS.items() if name != "bf16"}
 SHAKESPEARE = Path(REPO).parent / "shared" / "data" / "tinyshakespeare.txt"
 VAL_BYTES = 111540  # the last 10% of tinyshakespeare: the bundled model's held-out split
 
 
-def one_round(fmt: str, batches: list[int], new_tokens: int, threads: int | None) -> dict[str, Any]:
-    """In this process: build the core for `fmt`, time decode steps and a long prefill."""
+def one_round(fmt: str, batches: list[int], new_tokens: int, threads: int | None,
+              prompt_tokens: int = 32) -> dict[str, Any]:
+    """In this process: build the core for `fmt`, time decode steps (after `prompt_tokens`-token prompts) and a
+    long prefill."""
     import torch
 
     from engine.core_process import CoreConfig, build_core
     from engine.request import EngineRequest
     from engine.sampling import SamplingParams
 
-    dtype, quantize = FORMATS[fmt]
+    dtype, quantize = FORMATS.get(fmt) or KV_VARIANTS[fmt]
     _, ck = random_gpt2()
     cfg = CoreConfig(checkpoint=str(ck), device="cpu", dtype=dtype, quantize=quantize, max_batch_size=max(batches),
-                     torch_threads=threads, prefix_cache=False)
+                     torch_threads=threads, prefix_cache=False,
+                     kv_cache_dtype="bf16" if fmt in KV_VARIANTS else "auto")
     core, info, _ = build_core(cfg)
     core.warmup()
     out: dict[str, Any] = {"weight_bytes": info["weight_bytes"], "kernels": info.get("kernels"), "decode_ms": {}}
     g = torch.Generator().manual_seed(0)
     for b in batches:
-        for i in range(b):
-            prompt = torch.randint(0, 50257, (32,), generator=g).tolist()
-            core.add(EngineRequest(f"{b}-{i}", prompt, SamplingParams(max_new_tokens=new_tokens, temperature=0),
-                                   seed=i))
+        # rows keep decoding until every row is past its (chunked) prefill; then `new_tokens` steps of all b rows
+        # are timed and the requests aborted
+        budget = core.max_len - prompt_tokens
+        ids = [f"{b}-{i}" for i in range(b)]
+        for i, rid in enumerate(ids):
+            prompt = torch.randint(0, 50257, (prompt_tokens,), generator=g).tolist()
+            core.add(EngineRequest(rid, prompt, SamplingParams(max_new_tokens=budget, temperature=0), seed=i))
         times = []
-        while core.has_work():
+        while core.has_work() and len(times) < new_tokens:
             t0 = time.perf_counter()
             outs = core.step()
             dt = time.perf_counter() - t0
             if core.stats()["running"] == b and outs and all(o.token_ids for o in outs) and len(outs) == b:
                 times.append(dt)
+        core.abort(ids)
+        while core.has_work():
+            core.step()
+        if not times:
+            raise SystemExit(f"no decode step ran all {b} rows: shorten --prompt-tokens ({prompt_tokens})")
         out["decode_ms"][str(b)] = round(1000 * median(times[2:] or times), 2)
     prompt = torch.randint(0, 50257, (512,), generator=g).tolist()
     ttft = []
@@ -91,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--prompt-tokens", type=int, default=32, help="each decoding row's prompt")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-quality", action="store_true")
@@ -99,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     if args.one_round:
-        print(json.dumps(one_round(args.one_round, batches, args.new_tokens, args.threads)))
+        print(json.dumps(one_round(args.one_round, batches, args.new_tokens, args.threads, args.prompt_tokens)))
         return 0
     fmts = args.formats.split(",")
     random_gpt2()  # built once, before any timing
@@ -107,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for f in (fmts if r % 2 == 0 else fmts[::-1]):
             cmd = [sys.executable, "-m", "bench.formats", "--one-round", f, "--batches", args.batches,
-                   "--new-tokens", str(args.new_tokens)] + (["--threads", str(args.threads)] if args.threads else [])
+                   "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
+            cmd += ["--threads", str(args.threads)] if args.threads else []
             res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
             rounds[f].append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(f"round {r} {f}: {rounds[f][-1]['decode_ms']} prefill512 {rounds[f][-1]['prefill512_ms']} ms",
@@ -119,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                       "decode_ms": {b: median([x["decode_ms"][b] for x in rs]) for b in rs[0]["decode_ms"]},
                       "prefill512_ms": median([x["prefill512_ms"] for x in rs]), "rounds": rs}
         results[f]["decode_tok_s"] = {b: round(int(b) * 1000 / ms, 1) for b, ms in results[f]["decode_ms"].items()}
-        if not args.no_quality:
+        if not args.no_quality and f in FORMATS:
             results[f]["quality"] = quality(f)
     base = results.get("fp32")
     if base:
@@ -129,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 q0 = base["quality"]["bits_per_byte"]
                 r["quality"]["delta_vs_fp32_pct"] = round(100 * (r["quality"]["bits_per_byte"] - q0) / q0, 4)
     data = {"env": env_info(), "model": "random GPT-2 124M (speed); checkpoints/shakespeare (quality)",
-            "batches": batches, "new_tokens": args.new_tokens, "rounds": args.rounds, "formats": results}
+            "batches": batches, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
+            "rounds": args.rounds, "formats": results}
     print(json.dumps({f: {k: v for k, v in r.items() if k != "rounds"} for f, r in results.items()}, indent=1))
     print(f"wrote {write_result(args.out, data)}")
     return 0

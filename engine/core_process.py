@@ -348,18 +348,65 @@ def _die_with_parent() -> None:
 
 
 def core_threads(cfg: CoreConfig) -> int:
-    """Torch threads of the core process: GPT_TORCH_THREADS, else every CPU this process may run on (as
-    llama-server's default), the fronts sharing them. With short OpenMP spins (run_core_process) the fronts'
-    per-token work no longer stalls the threads, so reserving a core for the front (vLLM's CPU default) costs more
-    than it saves. Measured on 2 cores (`python -m bench.stack --threads 1|2`, sampled, core process): stack-ceiling
-    model 699 / 699 tok/s at 1 stream, 3,715 / 3,688 at 16, 4,496 / 4,276 at 64 (1 / 2 threads); GPT-2 124M at
-    1 stream 23.6 / 43 tok/s."""
+    """Torch threads the core process loads with: GPT_TORCH_THREADS, else every CPU this process may run on (as
+    llama-server's default); without the setting `choose_threads` then measures whether the last one is worth
+    taking from the fronts. (On a 2-vCPU Xeon with short OpenMP spins, `python -m bench.stack --threads 1|2`: the
+    stack-ceiling model 699 / 699 tok/s at 1 stream, 3,715 / 3,688 at 16; GPT-2 124M at 1 stream 23.6 / 43 tok/s;
+    on an AMD EPYC the small model serves faster with one: `choose_threads`.)"""
     if cfg.torch_threads:
         return cfg.torch_threads
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+# A model whose one-row decode step takes under FAST_STEP_S at every thread leaves the last core to the HTTP fronts
+# unless that core makes the step THREAD_GAIN faster: the fronts (detokenizing, SSE, JSON) need CPU in proportion to
+# the tokens a second, which a fast step makes many. Measured on a 2-vCPU AMD EPYC (2026-11-25), through the server,
+# sampled streams, interleaved: the bundled 4-layer model (one-row step 1.2-1.7 ms, the second thread's gain
+# 1.01-1.21x in-process) serves 365-405 tok/s at 1 stream with 1 thread against 330-339 with 2, and 2,086-2,346 at
+# 16 streams against 1,439-2,064; GPT-2 124M (a 9-24 ms step by format; gain 1.14-1.50x) serves 59 / 396 tok/s
+# (1 / 16 streams) with 2 threads against 45 / 286-300 with 1.
+FAST_STEP_S = 0.004
+THREAD_GAIN = 1.25
+
+
+def choose_threads(core, n: int, repeats: int = 5) -> dict[str, Any]:
+    """With GPT_TORCH_THREADS unset, on a CPU of n >= 2 cores: time the core's one-row decode step at n threads;
+    under FAST_STEP_S, time it at n - 1 too (interleaved, median ratio, on an empty slot) and keep n only when it is
+    THREAD_GAIN faster. Sets torch's threads; returns what it measured (for /info)."""
+    import torch
+
+    if n < 2 or core.device.type != "cpu":
+        return {"threads": n, "chosen": "all"}
+    token = torch.zeros(1, 1, dtype=torch.long, device=core.device)
+
+    def step_s(threads: int, calls: int) -> float:
+        torch.set_num_threads(threads)
+        core.cache.reset(0)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            core.model.forward_cached(token, core.cache, [0])
+        return (time.perf_counter() - t0) / calls
+
+    with torch.inference_mode():
+        step_s(n - 1, 2)  # first calls create the one-row primitives at each thread count
+        first = min(step_s(n, 2), step_s(n, 1))
+        chosen = n
+        ratios: list[float] = []
+        if first < FAST_STEP_S:
+            calls = max(1, min(8, int(0.02 / first)))
+            for _ in range(repeats):
+                ratios.append(step_s(n - 1, calls) / step_s(n, calls))
+            chosen = n if sorted(ratios)[len(ratios) // 2] >= THREAD_GAIN else n - 1
+    core.cache.reset(0)
+    torch.set_num_threads(chosen)
+    gain = sorted(ratios)[len(ratios) // 2] if ratios else None
+    log.info("torch threads: %d of %d (one-row step %.2f ms; the last thread's gain %s)", chosen, n, first * 1000,
+             f"{gain:.2f}x" if gain else "not measured")
+    return {"threads": chosen, "cores": n, "one_row_step_ms": round(first * 1000, 3),
+            "last_thread_gain": None if gain is None else round(gain, 3), "chosen": "all" if chosen == n else "n-1"}
 
 
 def keep_freed_memory() -> bool:
@@ -410,6 +457,7 @@ def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int) -> Non
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     malloc_tuned = keep_freed_memory()
     cfg = CoreConfig(**cfg_dict)
+    measure_threads = not cfg.torch_threads
     cfg.torch_threads = core_threads(cfg)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s:     [core] %(message)s")
     try:
@@ -418,6 +466,9 @@ def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int) -> Non
         conn.send(("error", str(e)))
         sys.exit(1)
     info["malloc_keeps_freed_memory"] = malloc_tuned
+    if measure_threads:
+        info["thread_choice"] = choose_threads(core, cfg.torch_threads)
+        info["torch_threads"] = info["thread_choice"]["threads"]
     release_freed_memory()  # the weights as loaded, freed by the swap to their served format
     import zmq
 

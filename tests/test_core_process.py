@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.core_process import CoreConfig, core_threads, keep_freed_memory
+from engine.core_process import THREAD_GAIN, CoreConfig, build_core, choose_threads, core_threads, keep_freed_memory
 from tests.app_helpers import app_client, reference_generate, start_app_process, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -205,6 +205,60 @@ def test_the_core_uses_every_cpu_by_default_and_the_flag_overrides_it(tiny_ckpt)
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_choose_threads_keeps_the_last_core_only_for_a_measured_gain(tiny_ckpt, monkeypatch):
+    import torch
+
+    import engine.core_process as cp
+
+    core, _, _ = build_core(CoreConfig(checkpoint=str(tiny_ckpt), device="cpu", warmup=False))
+    before = torch.get_num_threads()
+    try:
+        # the step's time comes from a fake clock: the last thread makes it `gain` times faster
+        clock = {"t": 0.0, "gain": 1.0}
+        model_forward = core.model.forward_cached
+
+        def timed_forward(*a, **k):
+            clock["t"] += 0.001 if torch.get_num_threads() == 4 else 0.001 * clock["gain"]
+            return model_forward(*a, **k)
+
+        for gain, want in ((THREAD_GAIN + 0.3, 4), (THREAD_GAIN - 0.2, 3)):
+            clock["gain"] = gain
+            monkeypatch.setattr(core.model, "forward_cached", timed_forward)
+            monkeypatch.setattr(cp.time, "perf_counter", lambda: clock["t"])
+            got = choose_threads(core, 4)
+            monkeypatch.undo()
+            assert got["threads"] == want == torch.get_num_threads(), got
+            assert got["last_thread_gain"] == pytest.approx(gain)
+            assert core.cache.lengths[0] == 0  # the timing left its slot empty
+        assert choose_threads(core, 1) == {"threads": 1, "chosen": "all"}
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_slow_step_keeps_every_thread_without_timing_more(tiny_ckpt, monkeypatch):
+    import torch
+
+    import engine.core_process as cp
+
+    core, _, _ = build_core(CoreConfig(checkpoint=str(tiny_ckpt), device="cpu", warmup=False))
+    before = torch.get_num_threads()
+    clock = {"t": 0.0, "calls": 0}
+    model_forward = core.model.forward_cached
+
+    def slow_forward(*a, **k):
+        clock["t"] += 0.02  # 20 ms a one-row step: the fronts' share of it is small
+        clock["calls"] += 1
+        return model_forward(*a, **k)
+
+    monkeypatch.setattr(core.model, "forward_cached", slow_forward)
+    monkeypatch.setattr(cp.time, "perf_counter", lambda: clock["t"])
+    try:
+        got = choose_threads(core, 2)
+        assert got["threads"] == 2 and got["last_thread_gain"] is None and clock["calls"] == 5
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_malloc_tuning_leaves_glibcs_own_settings_alone(monkeypatch):

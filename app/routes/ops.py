@@ -73,7 +73,8 @@ async def info(service: ServiceDep) -> dict:
             "malloc_keeps_freed_memory": info.get("malloc_keeps_freed_memory"),
             "weights": info.get("weights"), "weight_bytes": info.get("weight_bytes"),
             "kv_cache": info.get("kv_cache"), "kernels": info.get("kernels"),
-            "dtype_choice": info.get("dtype_choice"), "speculative": info.get("speculative"),
+            "dtype_choice": info.get("dtype_choice"), "thread_choice": info.get("thread_choice"),
+            "speculative": info.get("speculative"),
             "api_servers": service.settings.api_servers})
     if service.limits is not None:
         lim = service.limits

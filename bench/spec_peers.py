@@ -64,6 +64,9 @@ SERVERS: dict[str, dict[str, Any]] = {
     "ours-ngram": {"kind": "ours", "speculative": "ngram"},
     # 15 proposed tokens: the most one request gets (engine/spec_decode/config.py VERIFY_POSITIONS 16 per pass)
     "ours-ngram-k15": {"kind": "ours", "speculative": "ngram", "args": ["--num-speculative-tokens", "15"]},
+    # threads left to the server (engine.core_process.choose_threads: one of two cores for a model this small)
+    "ours-off-auto": {"kind": "ours", "speculative": "off", "default_threads": True},
+    "ours-ngram-auto": {"kind": "ours", "speculative": "ngram", "default_threads": True},
     "llama-off": {"kind": "llama", "args": ["--spec-type", "none"]},
     "llama-ngram": {"kind": "llama", "args": LLAMA_NGRAM},
     "llama-ngram-defaults": {"kind": "llama", "args": LLAMA_NGRAM_DEFAULTS},
@@ -71,7 +74,8 @@ SERVERS: dict[str, dict[str, Any]] = {
 DEFAULT_SERVERS = ",".join(SERVERS)
 # the goal's pair: ours with speculation vs llama-server with its speculation (the better of its configurations)
 OURS_SPEC, LLAMA_SPECS = "ours-ngram", ("llama-ngram", "llama-ngram-defaults")
-OFF_OF = {"ours-ngram": "ours-off", "ours-ngram-k15": "ours-off", "llama-ngram": "llama-off",
+OFF_OF = {"ours-ngram": "ours-off", "ours-ngram-k15": "ours-off", "ours-ngram-auto": "ours-off-auto",
+          "llama-ngram": "llama-off",
           "llama-ngram-defaults": "llama-off"}
 
 
@@ -159,10 +163,14 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], max_other_cpu: float | No
         if (r := paired(OURS_SPEC, peer)) is not None:
             out["ratios"][f"{OURS_SPEC} / {peer}"] = r
             best = r if best is None else min(best, r)
-        if (r := paired("ours-ngram-k15", peer)) is not None:
-            out["ratios"][f"ours-ngram-k15 / {peer}"] = r
-    if (r := paired("ours-off", "llama-off")) is not None:
-        out["ratios"]["ours-off / llama-off"] = r
+        for ours in ("ours-ngram-k15", "ours-ngram-auto"):
+            if (r := paired(ours, peer)) is not None:
+                out["ratios"][f"{ours} / {peer}"] = r
+    for ours in ("ours-off", "ours-off-auto"):
+        if (r := paired(ours, "llama-off")) is not None:
+            out["ratios"][f"{ours} / llama-off"] = r
+    if (r := paired("ours-off-auto", "ours-off")) is not None:
+        out["ratios"]["ours-off-auto / ours-off"] = r
     if best is not None:
         out["goal"] = {"what": "copy-heavy batch-1 greedy decode, ours with speculation >= 1.0x llama-server with "
                                "its speculation (the better of its configurations), same run",
@@ -212,6 +220,9 @@ def command(name: str, port: int, threads: int, checkpoint: Path, gguf: Path, ll
              "ours_default_slots": True}
     if spec["kind"] == "ours":
         argv, env = server_command("ours", port, threads, paths)
+        if spec.get("default_threads"):
+            i = argv.index("--torch-threads")
+            argv = argv[:i] + argv[i + 2:]
         return [*argv, "--speculative", spec["speculative"], *spec.get("args", [])], env
     argv, env = server_command("llama-f32", port, threads, paths)
     argv = set_arg(set_arg(argv, "-c", str(CONTEXT)), "-np", "1")

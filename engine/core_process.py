@@ -364,18 +364,19 @@ def core_threads(cfg: CoreConfig) -> int:
 # A model whose one-row decode step takes under FAST_STEP_S at every thread leaves the last core to the HTTP fronts
 # unless that core makes the step THREAD_GAIN faster: the fronts (detokenizing, SSE, JSON) need CPU in proportion to
 # the tokens a second, which a fast step makes many. Measured on a 2-vCPU AMD EPYC (2026-11-25), through the server,
-# sampled streams, interleaved: the bundled 4-layer model (one-row step 1.2-1.7 ms, the second thread's gain
-# 1.01-1.21x in-process) serves 365-405 tok/s at 1 stream with 1 thread against 330-339 with 2, and 2,086-2,346 at
-# 16 streams against 1,439-2,064; GPT-2 124M (a 9-24 ms step by format; gain 1.14-1.50x) serves 59 / 396 tok/s
-# (1 / 16 streams) with 2 threads against 45 / 286-300 with 1.
+# sampled streams, interleaved pairs: the bundled 4-layer model (one-row step 1.1-1.2 ms; its second thread's gain
+# 1.01-1.04x, the fastest of 9 timings each) serves 16 streams at 1,818-2,346 tok/s with 1 thread against
+# 1,054-2,064 with 2 (1 thread ahead in each of 4 pairs); 1 stream is a wash (362-405 vs 330-398 sampled; greedy,
+# bench.spec_peers: 407 vs 410). GPT-2 124M (a 9-24 ms step by format) keeps both: 59 / 396 tok/s at 1 / 16
+# streams with 2 threads against 45 / 286-300 with 1.
 FAST_STEP_S = 0.004
 THREAD_GAIN = 1.25
 
 
-def choose_threads(core, n: int, repeats: int = 5) -> dict[str, Any]:
+def choose_threads(core, n: int, repeats: int = 9) -> dict[str, Any]:
     """With GPT_TORCH_THREADS unset, on a CPU of n >= 2 cores: time the core's one-row decode step at n threads;
-    under FAST_STEP_S, time it at n - 1 too (interleaved, median ratio, on an empty slot) and keep n only when it is
-    THREAD_GAIN faster. Sets torch's threads; returns what it measured (for /info)."""
+    under FAST_STEP_S, time it at n - 1 too (interleaved, the fastest of each, on an empty slot) and keep n only
+    when it is THREAD_GAIN faster. Sets torch's threads; returns what it measured (for /info)."""
     import torch
 
     if n < 2 or core.device.type != "cpu":
@@ -394,15 +395,19 @@ def choose_threads(core, n: int, repeats: int = 5) -> dict[str, Any]:
         step_s(n - 1, 2)  # first calls create the one-row primitives at each thread count
         first = min(step_s(n, 2), step_s(n, 1))
         chosen = n
-        ratios: list[float] = []
+        gain = None
         if first < FAST_STEP_S:
-            calls = max(1, min(8, int(0.02 / first)))
+            # interleaved; the fastest of each (a start-up's other work only ever makes a step slower)
+            calls = max(1, min(8, int(0.01 / first)))
+            fewer, every = [], []
             for _ in range(repeats):
-                ratios.append(step_s(n - 1, calls) / step_s(n, calls))
-            chosen = n if sorted(ratios)[len(ratios) // 2] >= THREAD_GAIN else n - 1
+                fewer.append(step_s(n - 1, calls))
+                every.append(step_s(n, calls))
+            first = min(every)
+            gain = min(fewer) / first
+            chosen = n if gain >= THREAD_GAIN else n - 1
     core.cache.reset(0)
     torch.set_num_threads(chosen)
-    gain = sorted(ratios)[len(ratios) // 2] if ratios else None
     log.info("torch threads: %d of %d (one-row step %.2f ms; the last thread's gain %s)", chosen, n, first * 1000,
              f"{gain:.2f}x" if gain else "not measured")
     return {"threads": chosen, "cores": n, "one_row_step_ms": round(first * 1000, 3),

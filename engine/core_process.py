@@ -366,7 +366,8 @@ def core_threads(cfg: CoreConfig) -> int:
 # the tokens a second, which a fast step makes many. Measured on a 2-vCPU AMD EPYC (2026-11-25), through the server,
 # sampled streams, interleaved pairs: the bundled 4-layer model (one-row step 1.1-1.2 ms; its second thread's gain
 # 1.01-1.04x, the fastest of 9 timings each) serves 16 streams at 1,818-2,346 tok/s with 1 thread against
-# 1,054-2,064 with 2 (1 thread ahead in each of 4 pairs); 1 stream is a wash (362-405 vs 330-398 sampled; greedy,
+# 1,054-2,064 with 2 (1 thread ahead in each of 4 pairs), 64 streams at 2,373-3,099 against 1,582-1,842 (3 pairs);
+# 1 stream is a wash (362-405 vs 330-398 sampled; greedy,
 # bench.spec_peers: 407 vs 410). GPT-2 124M (a 9-24 ms step by format) keeps both: 59 / 396 tok/s at 1 / 16
 # streams with 2 threads against 45 / 286-300 with 1.
 FAST_STEP_S = 0.004

@@ -117,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(one_round(args.one_round, batches, args.new_tokens, args.threads, args.prompt_tokens)))
         return 0
     fmts = args.formats.split(",")
+    if unknown := [f for f in fmts if f not in FORMATS and f not in KV_VARIANTS]:
+        p.error(f"unknown format(s) {', '.join(unknown)}: use {', '.join([*FORMATS, *KV_VARIANTS])}")
+    if args.prompt_tokens < 1 or args.prompt_tokens + args.new_tokens >= 1024:  # GPT-2's context
+        p.error(f"--prompt-tokens ({args.prompt_tokens}) must be >= 1 and leave room for --new-tokens "
+                f"({args.new_tokens}) in GPT-2's 1,024-token context")
     random_gpt2()  # built once, before any timing
     rounds: dict[str, list] = {f: [] for f in fmts}
     for r in range(args.rounds):
@@ -124,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, "-m", "bench.formats", "--one-round", f, "--batches", args.batches,
                    "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
             cmd += ["--threads", str(args.threads)] if args.threads else []
-            res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
+            res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+            if res.returncode != 0:  # its last line says why (e.g. no decode step ran every row)
+                last = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
+                print(f"error: round {r} of {f} exited with {res.returncode}: {last}", file=sys.stderr)
+                return 1
             rounds[f].append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(f"round {r} {f}: {rounds[f][-1]['decode_ms']} prefill512 {rounds[f][-1]['prefill512_ms']} ms",
                   flush=True)

@@ -83,7 +83,8 @@ def run_format(fmt: str, tasks: Path, out: Path, threads: int | None) -> dict[st
                "--output_path", str(out), "--log_samples", "--seed", "1234"]
         proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
-            raise RuntimeError(f"lm_eval failed for {fmt}: {proc.stderr[-3000:]}")
+            last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"lm_eval exited with {proc.returncode} against the {fmt} server: {last}")
     finally:
         server.stop()
     (samples,) = list(out.rglob(f"samples_{TASK}_*.jsonl"))
@@ -125,15 +126,21 @@ def main(argv: list[str] | None = None) -> int:
         data.write_text("".join(json.dumps(it) + "\n" for it in next_line_items(args.items)))
         (tasks / f"{TASK}.yaml").write_text(YAML.format(task=TASK, data=data))
         for f in fmts:
-            results[f] = run_format(f, tasks, Path(d) / f, args.threads)
+            try:
+                results[f] = run_format(f, tasks, Path(d) / f, args.threads)
+            except RuntimeError as e:  # the server did not start, or lm_eval failed: one line, not a traceback
+                print(f"error: {e}", file=sys.stderr)
+                return 1
             print(f"{f}: acc {results[f]['acc']:.3f} acc_norm {results[f]['acc_norm']:.3f}", flush=True)
     ref = results.get("fp32")
-    for f, r in results.items():
+    summary: dict[str, Any] = {}
+    for f, r in results.items():  # the per-choice loglikelihoods stay out of the file (~50 KB a format)
+        summary[f] = {k: v for k, v in r.items() if k != "loglikelihoods"}
         if ref is not None and f != "fp32":
-            r["vs_fp32"] = compare(r["loglikelihoods"], ref["loglikelihoods"])
-        print(f, {k: v for k, v in r.items() if k != "loglikelihoods"})
+            summary[f]["vs_fp32"] = compare(r["loglikelihoods"], ref["loglikelihoods"])
+        print(f, summary[f])
     data = {"env": env_info(), "model": "checkpoints/shakespeare", "task": f"{TASK}: {args.items} items, 4 choices",
-            "chance": 0.25, "formats": results}
+            "chance": 0.25, "formats": summary}
     print(f"wrote {write_result(args.out, data)}")
     return 0
 

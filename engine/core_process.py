@@ -381,7 +381,7 @@ def choose_threads(core, n: int, repeats: int = 9) -> dict[str, Any]:
     import torch
 
     if n < 2 or core.device.type != "cpu":
-        return {"threads": n, "chosen": "all"}
+        return {"threads": n, "cores": n, "one_row_step_ms": None, "last_thread_gain": None, "chosen": "all"}
     token = torch.zeros(1, 1, dtype=torch.long, device=core.device)
 
     def step_s(threads: int, calls: int) -> float:

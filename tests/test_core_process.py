@@ -232,7 +232,8 @@ def test_choose_threads_keeps_the_last_core_only_for_a_measured_gain(tiny_ckpt, 
             assert got["threads"] == want == torch.get_num_threads(), got
             assert got["last_thread_gain"] == pytest.approx(gain)
             assert core.cache.lengths[0] == 0  # the timing left its slot empty
-        assert choose_threads(core, 1) == {"threads": 1, "chosen": "all"}
+        assert choose_threads(core, 1) == {"threads": 1, "cores": 1, "one_row_step_ms": None,
+                                           "last_thread_gain": None, "chosen": "all"}
     finally:
         torch.set_num_threads(before)
 

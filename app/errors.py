@@ -66,12 +66,15 @@ class ApiError(StarletteHTTPException):
     """A refusal with its HTTP status. An HTTPException, so FastAPI passes it through body parsing untouched."""
 
     def __init__(self, status: int, message: str, error_type: str | None = None,
-                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
+                 headers: dict[str, str] | None = None, param: str | None = None, started: bool = False) -> None:
         super().__init__(status_code=status, detail=message, headers=headers)
         self.status = status
         self.message = message
         self.error_type = error_type or STATUS_TYPES.get(status, "error")
         self.param = param  # the request field at fault (OpenAI's `param`); `invalid()` sets it
+        # True when the request reached the engine and ended there (time limit, failure, drain): the engine's
+        # end hook has counted it in gpt_requests_total already, so it is not a refusal
+        self.started = started
 
     def __str__(self) -> str:
         return self.message
@@ -118,12 +121,16 @@ def is_openai_path(path: str) -> bool:
     return path.startswith(OPENAI_PREFIXES)
 
 
+def answered_status(path: str, status: int) -> int:
+    """The status a refusal is answered with on this path: OpenAI answers a bad parameter with 400."""
+    return 400 if status == 422 and is_openai_path(path) else status
+
+
 def error_response(path: str, status: int, message: str, error_type: str | None = None,
                    headers: dict[str, str] | None = None, param: str | None = None) -> JSONResponse:
     error_type = error_type or STATUS_TYPES.get(status, "error")
+    status = answered_status(path, status)
     if is_openai_path(path):
-        if status == 422:  # OpenAI answers a bad parameter with 400
-            status = 400
         return JSONResponse(openai_error_body(message, error_type, status, param), status_code=status,
                             headers=headers)
     return JSONResponse(error_body(message, error_type), status_code=status, headers=headers)
@@ -242,11 +249,12 @@ def install_error_handlers(app: FastAPI, on_refusal: Callable[[int], None] | Non
 
     def refused(request: Request, status: int) -> None:
         if on_refusal is not None and request.method == "POST" and request.url.path in GENERATION_PATHS:
-            on_refusal(status)
+            on_refusal(answered_status(request.url.path, status))  # the status the client gets
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        refused(request, exc.status)
+        if not exc.started:
+            refused(request, exc.status)
         return error_response(request.url.path, exc.status, exc.message, exc.error_type, exc.headers, exc.param)
 
     @app.exception_handler(RequestValidationError)

@@ -87,7 +87,7 @@ async def collect(receive: Receive, reqs: list[tuple[int, RequestState]]) -> dic
     try:
         async for index, item in merged(reqs):
             if isinstance(item, Failed):
-                raise ApiError(status_of(item.kind), item.message, error_type_of(item.kind))
+                raise ApiError(status_of(item.kind), item.message, error_type_of(item.kind), started=True)
             out[index].append(item)
         if any(not toks or toks[-1].finished is None for toks in out.values()):
             raise ClientGone()

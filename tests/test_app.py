@@ -600,7 +600,10 @@ def test_time_limit_ends_with_an_error(tiny_ckpt):
                                                               "parameters": {"max_new_tokens": 100}}).text)
         restore()
         assert "token" in events[0] and events[-1]["error_type"] == "timeout" and "error" in events[-1]
-        assert 'gpt_requests_total{finish_reason="timeout",status="504"} 2.0' in c.get("/metrics").text
+        text = c.get("/metrics").text
+        assert 'gpt_requests_total{finish_reason="timeout",status="504"} 2.0' in text
+        # the engine ended both: neither is also a refusal (a non-streaming one was counted twice)
+        assert 'finish_reason="rejected"' not in text
 
 
 def test_metrics_count_requests_and_tokens(tiny_ckpt):
@@ -608,9 +611,12 @@ def test_metrics_count_requests_and_tokens(tiny_ckpt):
         for _ in range(2):
             c.post("/generate", json={"inputs": "hey", "parameters": {"max_new_tokens": 4}})
         c.post("/generate", json={"inputs": ""})
+        assert c.post("/v1/completions", json={"prompt": ""}).status_code == 400
         text = c.get("/metrics").text
         assert 'gpt_requests_total{finish_reason="length",status="200"} 2.0' in text
+        # each refusal under the status its client got: 422 on TGI's routes, 400 on OpenAI's
         assert 'gpt_requests_total{finish_reason="rejected",status="422"} 1.0' in text
+        assert 'gpt_requests_total{finish_reason="rejected",status="400"} 1.0' in text
         n_prompt = len(c.app.state.service.tokenizer.encode("hey"))
         assert f"gpt_prompt_tokens_total {2 * n_prompt}.0" in text and "gpt_generated_tokens_total 8.0" in text
         assert "gpt_time_to_first_token_seconds_count 2.0" in text

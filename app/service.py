@@ -230,8 +230,10 @@ class Service:
     def submit(self, plan: Plan) -> list[tuple[int, RequestState]]:
         """Admit every choice of the plan, or none: (choice index, request) pairs."""
         reqs: list[tuple[int, RequestState]] = []
+        choices = plan.choices()
         try:
-            for index, prompt, params in plan.choices():
+            self.engine.check_room(len(choices))
+            for index, prompt, params in choices:
                 st = self.engine.add(prompt.ids, params, top_n=plan.top_n,
                                      timeout_s=self.settings.request_timeout_s,
                                      prompt_logprobs=plan.prompt_logprobs, structured=plan.structured)

@@ -72,19 +72,24 @@ class EngineClient:
     def add(self, prompt: list[int], params: SamplingParams, *, top_n: int = 0,
             timeout_s: float = 300.0, prompt_logprobs: int | None = None,
             structured: StructuredSpec | None = None) -> RequestState:
-        if self.dead is not None:
-            raise EngineError(ErrorKind.UNAVAILABLE, f"the generation engine has stopped: {self.dead}")
-        if not self.accepting:
-            raise EngineError(ErrorKind.UNAVAILABLE, "the server is shutting down and accepts no new requests")
-        if len(self.processor) >= self.capacity:
-            raise EngineError(ErrorKind.OVERLOADED, f"the server is overloaded: {len(self.processor)} requests are "
-                                                    "running or waiting; retry later")
+        self.check_room(1)
         st = RequestState(f"{self.name}-{next(self._ids)}", prompt, params, self.processor.tokenizer,
                           top_n=top_n, timeout_s=timeout_s, abort=self.abort, prompt_logprobs=prompt_logprobs)
         self.processor.add(st)
         self._send(Add(EngineRequest(st.id, st.prompt, params, top_n=top_n, arrival=st.arrival, deadline=st.deadline,
                                      prompt_logprobs=prompt_logprobs, structured=structured)))
         return st
+
+    def check_room(self, n: int) -> None:
+        """Refuse (EngineError) unless `n` more requests can be added now. A request of several choices checks
+        them all before adding any, so a refusal never admits (and then cancels, counted as cancelled) a part."""
+        if self.dead is not None:
+            raise EngineError(ErrorKind.UNAVAILABLE, f"the generation engine has stopped: {self.dead}")
+        if not self.accepting:
+            raise EngineError(ErrorKind.UNAVAILABLE, "the server is shutting down and accepts no new requests")
+        if len(self.processor) + n > self.capacity:
+            raise EngineError(ErrorKind.OVERLOADED, f"the server is overloaded: {len(self.processor)} requests are "
+                                                    "running or waiting; retry later")
 
     def abort(self, request_id: str) -> None:
         if self.processor.drop(request_id) is not None and self.dead is None:

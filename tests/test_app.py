@@ -587,6 +587,30 @@ def test_admission_takes_slots_plus_queue_then_gives_429(tiny_ckpt):
         assert 'gpt_requests_total{finish_reason="rejected",status="429"} 1.0' in c.get("/metrics").text
 
 
+def test_a_request_of_several_choices_is_refused_whole_when_they_do_not_all_fit(tiny_ckpt):
+    # slots (2) + queue (2) = 4; 3 held, a request of n=2 does not fit: 429, and no choice of it was admitted,
+    # so none of it is counted as a cancelled request (it was, part of it admitted and then cancelled)
+    with app_client(tiny_ckpt, max_batch_size=2, max_queue=2) as c:
+        engine = engine_of(c)
+        engine.pause()
+        held = {}
+        t = threading.Thread(target=lambda: held.setdefault("r", c.post("/v1/completions", json={
+            "prompt": "a", "max_tokens": 3, "n": 3})))
+        t.start()
+        end = time.monotonic() + 5
+        while engine.n_queued < 3 and time.monotonic() < end:
+            time.sleep(0.005)
+        r = c.post("/v1/completions", json={"prompt": "b", "max_tokens": 3, "n": 2})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded"
+        assert engine.n_in_flight == 3
+        engine.resume()
+        t.join(10)
+        assert held["r"].status_code == 200
+        text = c.get("/metrics").text
+        assert 'gpt_requests_total{finish_reason="rejected",status="429"} 1.0' in text
+        assert "cancelled" not in text
+
+
 def test_time_limit_ends_with_an_error(tiny_ckpt):
     with app_client(tiny_ckpt, request_timeout_s=0.3) as c:
         engine = engine_of(c)

@@ -33,6 +33,7 @@ class CoreLoop:
         self.warmup = warmup
         self.owners: dict[str, Any] = {}  # request id → the client (front) that sent it
         self.clients: set = set()
+        self.seen: dict[Any, tuple] = {}  # client → the (running, queued) counts its last message carried
         self.warm = False
         self.paused = False
         self.stopping = False
@@ -84,7 +85,10 @@ class CoreLoop:
             self.stopping = True
 
     def deliver(self, outputs: list[RequestOutput], always: bool = False) -> None:
-        """One message per front: its requests' outputs and the core's stats."""
+        """One message per front: its requests' outputs and the core's stats. A front with no outputs this step
+        still gets the stats when the running / queued counts moved since its last message: its /info and
+        /metrics (gpt_batch_size, gpt_queue_size) read them, and with several fronts the step that empties the
+        batch may carry outputs for another front only."""
         by_client: dict[Any, list[RequestOutput]] = {}
         for out in outputs:
             client = self.owners.get(out.request_id)
@@ -93,11 +97,12 @@ class CoreLoop:
             by_client.setdefault(client, []).append(out)
             if out.done:
                 del self.owners[out.request_id]
-        if not by_client and not always:
-            return
         stats = self.core.stats()
-        for client in (self.clients | by_client.keys()) if always else by_client:
-            self.transport.send(client, Outputs(by_client.get(client, []), stats))
+        counts = (stats.get("running"), stats.get("queued"))
+        for client in self.clients | by_client.keys():
+            if client in by_client or always or self.seen.get(client) != counts:
+                self.transport.send(client, Outputs(by_client.get(client, []), stats))
+                self.seen[client] = counts
 
     def _classify(self, msg: Classify) -> Classified:
         if self.classify is None:

@@ -71,6 +71,11 @@ MASK_MASS_FLOOR = 2.0 ** -40
 READBACK_DEVICES = ("cpu",)
 # exp(EXP_FLOOR) ≈ 1.6e-38, the smallest normal float32's neighbourhood: what lies further below the max weighs nothing
 EXP_FLOOR = -87.0
+# The logit min_tokens gives EOS and the stop ids: finite, far below any real logit (even times 1e5, the largest
+# inverse temperature, and 100, the largest repetition penalty), so they are never drawn beside another token, but a
+# grammar that allows nothing else (one complete at the start) still gets them: the grammar outranks min_tokens, as
+# it does once it is complete (the core ends the request there). At -inf that row had no token left and drew token 0.
+SUPPRESSED_LOGIT = -1e30
 
 
 @dataclass(frozen=True)
@@ -731,14 +736,16 @@ class Sampler(SlotState):
 
     def _bias(self, z: torch.Tensor, plan: _Plan) -> None:
         """logit_bias (dense rows, 0 where a request has none), then min_tokens: the suppressed ids of each row
-        still short of its min_tokens at -inf (sparse, over at most a few ids per row)."""
+        still short of its min_tokens at SUPPRESSED_LOGIT (sparse, over at most a few ids per row; an empty entry
+        points at the -inf sink column V, which stays -inf)."""
         rows = plan.rows
         if plan.bias:
             z.add_(self.bias[rows])
         if plan.min_tokens:
             ids = self.suppress[rows]
-            active = (self.length[rows] - self.prompt_len[rows]) < self.min_tokens[rows]
-            z.scatter_(1, ids, torch.where(active[:, None], float("-inf"), z.gather(1, ids)))
+            short = (self.length[rows] - self.prompt_len[rows]) < self.min_tokens[rows]
+            active = short[:, None] & (ids < self.vocab_size)
+            z.scatter_(1, ids, torch.where(active, SUPPRESSED_LOGIT, z.gather(1, ids)))
 
     def _mask(self, e: torch.Tensor, plan: _Plan, bitmask: torch.Tensor) -> None:
         """The grammar's mask on the constrained rows of e = exp(z − max z) (B, padded): a disallowed token's e

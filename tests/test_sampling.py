@@ -324,6 +324,28 @@ def test_min_tokens_suppresses_eos_and_stop_ids_until_reached():
     assert greedy_run(logits, [1], 2, min_tokens=2, stop_at_eos=False) == [EOS, EOS]
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=1.0, top_k=5),
+                                    dict(temperature=0.7, top_p=0.5, repetition_penalty=1.3)])
+def test_a_grammar_that_allows_only_what_min_tokens_suppresses_gets_it(params):
+    # the grammar outranks min_tokens: a row whose grammar allows only EOS or a stop id (a grammar complete at
+    # the start, `root ::= ""`) draws it, as it would without min_tokens. It drew token 0, every token being
+    # -inf, which the grammar refused: text the grammar does not match, and an error in the log
+    V, EOS = 300, 299
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
+    s = Sampler(4, V, 8, block_size=16, eos_id=EOS)
+    for slot in range(4):
+        s.admit(slot, SamplingParams(**params, min_tokens=5, stop_token_ids=[7]), [1, 2], seed=slot,
+                constrained=slot < 3)
+    allowed = torch.zeros(3, V, dtype=torch.bool)
+    allowed[0, EOS] = allowed[1, 7] = True
+    allowed[2, [EOS, 7, 100]] = True  # another token allowed too: min_tokens still holds
+    draws = s.step(logits.clone(), range(4), packed_bitmask(allowed))
+    assert [d.token for d in draws[:3]] == [EOS, 7, 100]
+    assert draws[3].token not in (EOS, 7)
+    raw = torch.log_softmax(logits, -1)
+    assert draws[0].logprob == pytest.approx(raw[0, EOS].item(), abs=1e-4)
+
+
 def test_bias_and_min_tokens_follow_a_moved_request_and_leave_the_next_one_alone():
     V, EOS = 40, 39
     logits = torch.zeros(2, V)

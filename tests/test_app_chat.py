@@ -85,3 +85,24 @@ def test_reply_stops_at_the_next_you(transcript_ckpt):
         chunks = [e for e in events if e != "[DONE]"]
         assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == expected
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
+
+
+def test_a_streamed_reply_carries_the_logprobs_of_a_last_token_that_releases_no_text(tiny_ckpt):
+    # the reply ends at a stop token id (its text is left out): the last chunk has no content, but its logprobs
+    # entry is there, as in the non-streaming reply (the stream dropped it: logprobs null on the last chunk)
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 1}
+    with app_client(tiny_ckpt) as c:
+        ids = c.post("/tokenize", json={"messages": body["messages"], "add_generation_prompt": True}).json()["tokens"]
+        prompt = c.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+        free = c.post("/generate", json={"inputs": prompt, "parameters": {
+            "max_new_tokens": 6, "temperature": 0, "details": True}}).json()["details"]["tokens"]
+        stop = free[2]["id"]
+        body["stop_token_ids"] = [stop]
+        whole = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert whole["finish_reason"] == "stop"
+        events = [e for e in sse_events(c.post("/v1/chat/completions", json={**body, "stream": True}).text)
+                  if e != "[DONE]"]
+        streamed = [x for e in events for ch in e["choices"] if ch["logprobs"] for x in ch["logprobs"]["content"]]
+        assert streamed == whole["logprobs"]["content"]
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"

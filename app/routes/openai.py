@@ -284,8 +284,8 @@ async def chat_events(reply: Reply, reqs: list[tuple[int, RequestState]], lstrip
         fin = item.finished
         if fin is not None:
             done[index] = [item]
-            if not text:  # the last token released nothing (e.g. it completed a stop string)
-                yield chunk(index, {}, None, finish(fin.finish_reason))
+            if not text:  # the last token released nothing (it completed a stop string, or is a stop token id)
+                yield chunk(index, {}, chat_logprobs([item]) if plan.details else None, finish(fin.finish_reason))
                 continue
         yield chunk(index, {"content": text}, chat_logprobs([item]) if plan.details else None,
                     finish(fin.finish_reason) if fin else None)

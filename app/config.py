@@ -138,6 +138,13 @@ class Settings(BaseSettings):
                              f"({self.speculative_ngram_max})")
         return self
 
+    @model_validator(mode="after")
+    def _fronts_need_a_core_process(self) -> Settings:
+        if self.api_servers > 1 and self.engine != "process":
+            raise ValueError(f"api_servers ({self.api_servers}) needs engine=process (--api-servers and --engine, env "
+                             "GPT_API_SERVERS and GPT_ENGINE): several HTTP fronts share the engine core's process")
+        return self
+
     @field_validator("kv_cache_memory")
     @classmethod
     def _kv_memory(cls, v: str | None) -> str | None:
@@ -178,6 +185,9 @@ def load_settings(**overrides) -> Settings:
         lines = []
         for err in e.errors():
             field = ".".join(str(p) for p in err["loc"])
+            if not field:  # a check across settings (a model validator): its message names them
+                lines.append(f"invalid settings: {err['msg'].removeprefix('Value error, ')}")
+                continue
             flag = field.replace("_", "-")
             lines.append(f"invalid setting {field} (--{flag} or env GPT_{field.upper()}): {err['msg']}")
         raise SettingsError("; ".join(lines)) from None

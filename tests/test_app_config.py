@@ -45,3 +45,20 @@ def test_generated_flags_reach_every_kind_of_field():
         False, True, 0.25, ["https://a.example", "https://b.example"], "fp32")
     assert s.api_key.get_secret_value() == "k"
     assert all(v is None for v in vars(parse_args([])).values())  # an unset flag leaves the environment's value
+
+
+def test_settings_that_do_not_go_together_are_one_line_naming_them():
+    import pytest
+
+    from app.config import SettingsError
+
+    # several fronts share a core in its own process: with the core in a thread the launcher failed with an
+    # AttributeError traceback after loading the model
+    with pytest.raises(SettingsError) as e:
+        load_settings(engine="thread", api_servers=2)
+    assert str(e.value) == ("invalid settings: api_servers (2) needs engine=process (--api-servers and --engine, "
+                            "env GPT_API_SERVERS and GPT_ENGINE): several HTTP fronts share the engine core's process")
+    # a check across settings names them, not an empty field ("invalid setting  (-- or env GPT_)")
+    with pytest.raises(SettingsError) as e:
+        load_settings(speculative_ngram_min=5, speculative_ngram_max=3)
+    assert str(e.value) == "invalid settings: speculative_ngram_min (5) must be <= speculative_ngram_max (3)"

@@ -95,7 +95,10 @@ class SlotPlan:
 
 
 def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """n bytes in GiB; below 0.01 GiB (which would read 0.00) in MiB, or KiB."""
+    if n >= 0.01 * 2**30 or n == 0:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.2f} MiB" if n >= 0.01 * 2**20 else f"{n / 2**10:.2f} KiB"
 
 
 def plan_slots(n_layer: int, n_embd: int, context: int, device: torch.device, kv_dtype: torch.dtype, *,
@@ -126,7 +129,7 @@ def plan_slots(n_layer: int, n_embd: int, context: int, device: torch.device, kv
         raise SizingError(
             f"the KV-cache budget ({gib(budget)} of {gib(free)} available) holds no full-length slot: one needs "
             f"{gib(per_slot)} ({n_layer} layers x {context} tokens x {n_embd} dims x 2 in "
-            f"{str(kv_dtype).removeprefix('torch.')}{with_draft}); raise GPT_KV_CACHE_MEMORY, use "
-            "GPT_KV_CACHE_DTYPE=bf16, or free memory")
+            f"{str(kv_dtype).removeprefix('torch.')}{with_draft}); raise GPT_KV_CACHE_MEMORY"
+            f"{', use GPT_KV_CACHE_DTYPE=bf16' if kv_dtype == torch.float32 else ''}, or free memory")
     cap = GPU_MAX_BATCH if device.type == "cuda" else CPU_DEFAULT_BATCH
     return SlotPlan(min(cap, fits), kv, budget, free, draft_kv)

@@ -48,7 +48,14 @@ def test_a_budget_without_one_slot_is_a_one_line_error():
         plan_slots(**GPT2, device=CPU, kv_dtype=torch.float32, available=20 * GIB, kv_cache_memory="50MB")
     msg = str(e.value)
     assert "\n" not in msg and "holds no full-length slot" in msg and "0.07 GiB" in msg
-    assert "GPT_KV_CACHE_MEMORY" in msg
+    assert "GPT_KV_CACHE_MEMORY" in msg and "GPT_KV_CACHE_DTYPE=bf16" in msg
+    # a tiny budget and slot read in MiB / KiB (they read "0.00 GiB"), and a bf16 cache is not told to use bf16
+    with pytest.raises(SizingError) as e:
+        plan_slots(n_layer=4, n_embd=256, context=256, device=CPU, kv_dtype=torch.bfloat16, available=20 * GIB,
+                   kv_cache_memory="1KB")
+    msg = str(e.value)
+    assert "(0.98 KiB of 20.00 GiB available)" in msg and "one needs 5.00 MiB" in msg
+    assert "GPT_KV_CACHE_DTYPE" not in msg
     with pytest.raises(SizingError, match="max_batch_size 64 needs"):
         plan_slots(**GPT2, device=CPU, kv_dtype=torch.float32, available=20 * GIB, kv_cache_memory="1GiB",
                    max_batch_size=64)
@@ -70,7 +77,7 @@ def test_a_draft_models_kv_slot_is_part_of_every_slot():
     with pytest.raises(SizingError, match="max_batch_size 13 needs"):  # fits without the draft, not with it
         plan_slots(**GPT2, device=CPU, kv_dtype=torch.float32, available=20 * GIB, kv_cache_memory="1GiB",
                    max_batch_size=13, draft=draft)
-    with pytest.raises(SizingError, match="the draft model's 0.01 GiB of it"):
+    with pytest.raises(SizingError, match="the draft model's 6.00 MiB of it"):
         plan_slots(**GPT2, device=CPU, kv_dtype=torch.float32, available=20 * GIB, kv_cache_memory="80MB",
                    draft=draft)  # 72 MiB + 4 MiB fit; + the draft's 6 MiB do not
 

@@ -244,12 +244,23 @@ def allowed_methods(request: Request) -> list[str]:
 GENERATION_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions"})
 
 
+def refusal_counter(on_refusal: Callable[[int], None] | None) -> Callable[[str, str, int], None]:
+    """(method, path, status) → `on_refusal(status)` for a refused generation request, with the status the client
+    gets; the error handlers and the body-size middleware (which answers before any handler) share it."""
+
+    def count(method: str, path: str, status: int) -> None:
+        if on_refusal is not None and method == "POST" and path in GENERATION_PATHS:
+            on_refusal(answered_status(path, status))
+
+    return count
+
+
 def install_error_handlers(app: FastAPI, on_refusal: Callable[[int], None] | None = None) -> None:
     """Every refusal in its route's shape; `on_refusal(status)` counts those of generation requests."""
+    count = refusal_counter(on_refusal)
 
     def refused(request: Request, status: int) -> None:
-        if on_refusal is not None and request.method == "POST" and request.url.path in GENERATION_PATHS:
-            on_refusal(answered_status(request.url.path, status))  # the status the client gets
+        count(request.method, request.url.path, status)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):

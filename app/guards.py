@@ -129,8 +129,15 @@ class _TooLarge(ApiError):
 
 
 class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 on_refusal: Callable[[str, str, int], None] | None = None) -> None:
         self.app, self.max_bytes = app, max_bytes
+        self.on_refusal = on_refusal  # (method, path, status) of a request answered here (errors.refusal_counter)
+
+    def _refuse(self, scope: Scope, status: int, message: str, error_type: str | None = None):
+        if self.on_refusal is not None:
+            self.on_refusal(scope.get("method", ""), scope["path"], status)
+        return error_response(scope["path"], status, message, error_type)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -141,12 +148,11 @@ class BodySizeLimit:
             try:
                 n = int(length)
             except ValueError:
-                await error_response(scope["path"], 400, f"invalid Content-Length header {length!r}")(
-                    scope, receive, send)
+                await self._refuse(scope, 400, f"invalid Content-Length header {length!r}")(scope, receive, send)
                 return
             if n > self.max_bytes:
                 e = _TooLarge(self.max_bytes, n)
-                await error_response(scope["path"], 413, e.message, e.error_type)(scope, receive, send)
+                await self._refuse(scope, 413, e.message, e.error_type)(scope, receive, send)
                 return
         seen = 0
         limit = self.max_bytes

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from app import __version__
 from app.config import Settings, load_settings
-from app.errors import install_error_handlers
+from app.errors import install_error_handlers, refusal_counter
 from app.guards import BodySizeLimit, JSONCORSMiddleware
 from app.openapi import limits_in_openapi
 from app.routes import classify, openai, ops, tgi
@@ -33,13 +33,16 @@ def create_app(settings: Settings | None = None, *, loaded=None, core: CoreHandl
     app = FastAPI(title="gpt-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan,
                   docs_url=None, redoc_url=None)  # served by app.routes.ops from local assets
     app.state.service = service = Service(settings, loaded, core, front_index)
-    install_error_handlers(app, on_refusal=lambda status: service.metrics.count_request(status, "rejected"))
+    def on_refusal(status: int) -> None:
+        service.metrics.count_request(status, "rejected")
+
+    install_error_handlers(app, on_refusal=on_refusal)
     app.include_router(ops.router)
     app.include_router(tgi.router)
     app.include_router(openai.router)
     app.include_router(classify.router)
     ops.mount_static(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes, on_refusal=refusal_counter(on_refusal))
     if settings.cors_origins:
         app.add_middleware(JSONCORSMiddleware, allow_origins=settings.cors_origins,
                            allow_methods=["GET", "POST", "OPTIONS"],

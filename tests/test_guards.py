@@ -137,6 +137,9 @@ def test_body_limit_json_on_both_apis(tiny_ckpt):
 
         r = c.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
         assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+        # both are refusals in gpt_requests_total (the one refused from its Content-Length, before any handler,
+        # was not counted)
+        assert 'gpt_requests_total{finish_reason="rejected",status="413"} 2.0' in c.get("/metrics").text
 
 
 def test_docs_are_served_offline(client):

@@ -324,6 +324,8 @@ class EngineCore:
             if r.id in matchers:
                 ok, done = matchers.accept(r.id, d.token)
                 d.stop = done or not ok
+                if not ok:  # the request ends with an error (Scheduler.update), not with this token
+                    d.failed = matchers.error(r.id)
 
     def _apply(self, ops) -> None:
         for op in ops:
@@ -465,3 +467,5 @@ class _StepMasks:
             if not isinstance(d, list) and r.id in self.matchers:
                 ok, done = self.matchers.accept(r.id, d.token)
                 d.stop = done or not ok
+                if not ok:
+                    d.failed = self.matchers.error(r.id)

@@ -262,6 +262,7 @@ class Draw:
     logprob: float
     top: list[tuple[int, float]] | None = None  # the top_n most likely (id, logprob) under the raw distribution
     stop: bool = False  # set by the engine core: the request's grammar is complete (structured output)
+    failed: str = ""  # set by the engine core: the grammar refused this token (the library's reason)
 
 
 class SlotState:

@@ -31,8 +31,9 @@ One step, as vLLM V1's `EngineCore.step` runs it: `schedule(now)` → the core e
   tokens), a grammar that is complete (the core sets `stop` on the draw: FinishReason.STOP, or EOS if it took
   <|endoftext|>), or max_new_tokens, decided from the sampled token ids; a request with max_new_tokens 0 (it only
   scores its prompt: prompt log-probabilities) ends with LENGTH right after its prefill, nothing sampled; a
-  deadline passed (`ErrorKind.TIMEOUT`); `abort(ids)` from whoever reads the outputs (a stop string, a
-  client gone) frees the slot with no output.
+  deadline passed (`ErrorKind.TIMEOUT`); a grammar that refused its sampled token, a limit of the library met
+  while decoding (the core sets `failed` on the draw: `ErrorKind.INVALID`, the token dropped); `abort(ids)` from
+  whoever reads the outputs (a stop string, a client gone) frees the slot with no output.
 """
 
 from __future__ import annotations
@@ -261,6 +262,10 @@ class Scheduler:
             finish = None
             out = RequestOutput(r.id, [], [], [] if r.request.top_n else None)
             for d in ds:
+                if getattr(d, "failed", ""):  # its grammar refused the token: the request ends with an error
+                    out = RequestOutput(r.id, [], [], error=ErrorKind.INVALID, message=(
+                        f"structured output failed at generated token {r.generated + 1}: {d.failed}"))
+                    break
                 r.generated += 1
                 if self.prefix is not None:
                     r.out.append(d.token)
@@ -276,7 +281,7 @@ class Scheduler:
                 out.queue_s = max(0.0, (r.admitted_at or r.request.arrival) - r.request.arrival)
                 out.cached_tokens = r.cached
             outputs.append(out)
-            if finish is not None:
+            if finish is not None or out.error is not None:
                 del self.by_id[r.id]
                 done.append(r)
             elif id(r) in completed:

@@ -164,6 +164,13 @@ class Grammars:
     def matcher(self, spec: StructuredSpec):
         return self.compile(spec).deep_copy()
 
+    def forget(self, spec: StructuredSpec) -> None:
+        """Drop a spec's compiled grammar: the next matcher compiles afresh. Copies share the template's lexer, and
+        one that met a limit of the library while decoding (a regex like `a{1000000}`: "too many expressions
+        constructed") leaves every later copy failed from its first mask, which then allows only <|endoftext|>."""
+        with self._cache_lock:
+            self._cache.pop((spec.kind, spec.value), None)
+
 
 def _reason(error: str) -> str:
     """The library's error on one line, without the lines that point into the text (carets, source echo)."""
@@ -190,6 +197,7 @@ class Matchers:
         self.host = torch.full((n_slots, self.words), -1, dtype=torch.int32, pin_memory=pin)
         self.dev = self.host if self.device.type == "cpu" else torch.empty_like(self.host, device=self.device)
         self._by_id: dict[str, Any] = {}
+        self._specs: dict[str, StructuredSpec] = {}
         # the library's thread pool pays off with cores to spare; on a 2-core CPU a loop is faster (bench.structured)
         threads = threads if threads is not None else min(16, (os.cpu_count() or 1) // 2)
         self._executor = llg.LLExecutor(threads) if threads >= 4 else None
@@ -203,9 +211,11 @@ class Matchers:
 
     def add(self, request_id: str, spec: StructuredSpec) -> None:
         self._by_id[request_id] = self.grammars.matcher(spec)
+        self._specs[request_id] = spec
 
     def drop(self, request_id: str) -> None:
         self._by_id.pop(request_id, None)
+        self._specs.pop(request_id, None)
 
     def fill(self, request_ids: list[str]) -> torch.Tensor:
         """The next-token masks of these requests, rows in this order, on the device (one copy)."""
@@ -229,7 +239,15 @@ class Matchers:
         """Advance a request's matcher with its sampled token: (accepted, done: the grammar is complete and
         nothing can follow, or it took <|endoftext|>)."""
         m = self._by_id[request_id]
-        ok = m.consume_token(token)
+        ok = m.consume_token(token) and not m.is_error()  # (a matcher failed at its mask takes <|endoftext|>)
         if not ok:
-            log.error("request %s: the grammar refused sampled token %d: %s", request_id, token, m.get_error())
+            log.warning("request %s: the grammar refused sampled token %d: %s", request_id, token,
+                        self.error(request_id))
+            self.grammars.forget(self._specs[request_id])
         return ok, m.is_stopped()
+
+    def error(self, request_id: str) -> str:
+        """Why a request's matcher refused a token (a limit of the library met while decoding): the library's first
+        line (the rest is a dump of the parser's state)."""
+        lines = self._by_id[request_id].get_error().strip().splitlines()
+        return lines[0].strip() if lines else "the grammar refused the token"

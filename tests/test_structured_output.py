@@ -16,7 +16,7 @@ import torch
 
 from bench.structured import SCHEMAS
 from engine.core import EngineCore
-from engine.request import EngineRequest, StructuredSpec
+from engine.request import EngineRequest, ErrorKind, StructuredSpec
 from engine.sampling import SamplingParams
 from engine.stopping import FinishReason
 from engine.structured_output import GrammarError, Grammars, Matchers, grammar_text
@@ -187,6 +187,34 @@ def test_abort_and_finish_drop_the_matchers(shakespeare):
     while core.has_work():
         core.step()
     assert len(core.matchers) == 0
+
+
+def test_a_grammar_that_fails_while_decoding_ends_the_request_with_an_error(shakespeare):
+    # `a{1000000}` compiles and gives its first mask, then the library's lexer hits its limit on the first `a`
+    # ("too many expressions constructed"): the request ends with an error naming it, not as a complete grammar
+    # (FinishReason.STOP) with the refused token in its text; the request beside it is untouched
+    model, tok = shakespeare
+    core = EngineCore(model, n_slots=2, vocab_size=tok.vocab_size, eos_id=tok.eot_id, tokenizer=tok,
+                      cuda_graphs=False, pad_vocab=False)
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    core.add(EngineRequest("big", tok.encode("x"), params, seed=0, structured=StructuredSpec("regex", "a{1000000}")))
+    core.add(EngineRequest("ok", tok.encode("x"), params, seed=0, structured=StructuredSpec("regex", "a{1,10}")))
+    outs: dict[str, list] = {"big": [], "ok": []}
+    while core.has_work():
+        for o in core.step():
+            outs[o.request_id].append(o)
+    last = outs["big"][-1]
+    assert last.error == ErrorKind.INVALID and last.finish is None and not last.token_ids
+    assert "structured output" in last.message and "too many expressions" in last.message
+    assert [t for o in outs["big"] for t in o.token_ids] == []
+    assert text_of(tok, outs["ok"]) == "aaaaa" and outs["ok"][-1].finish == FinishReason.LENGTH
+    assert len(core.matchers) == 0
+    assert last.message.endswith("lexer error: too many expressions constructed")  # not the parser's state dump
+    # the same grammar again fails the same way: the failure does not leave later copies of the compiled grammar
+    # failed from the start (they allowed only <|endoftext|>: an empty text, finish STOP, no error)
+    core.add(EngineRequest("again", tok.encode("x"), params, seed=0, structured=StructuredSpec("regex", "a{1000000}")))
+    again = [o for _ in range(3) if core.has_work() for o in core.step()]
+    assert again[-1].error == ErrorKind.INVALID and "too many expressions" in again[-1].message
 
 
 # ---------------------------------------------------------------------------------------------- batches

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from model.config import GPTConfig
 
@@ -147,7 +148,7 @@ class KVCache:
         # key j is visible to the query at position p iff j <= p (causal, and masks stale/unused entries)
         mask = self._arange[None, None, :kv_len] <= positions[:, :, None]  # (B, T, S)
         return CacheStep(slot_index, slot_range, positions, mask[:, None], kv_len,
-                         start=start if uniform else None)
+                         start=start if uniform else None, row_kv=[n + n_tokens for n in lengths])
 
     def plan_static(self, n_rows: int, kv_len: int | None = None) -> CacheStep:
         """One token for each of slots 0..n_rows-1, with shapes that do not depend on what the slots hold:
@@ -187,6 +188,7 @@ class CacheStep:
     kv_len: int  # S
     start: int | None = None  # the length every slot holds before this step, when they all hold the same
     is_causal: bool = False  # no mask, plain causal attention (T new tokens into empty slots, S == T)
+    row_kv: list[int] | None = None  # with a mask: the keys each row holds after the step (host ints)
 
     def update(self, cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (B, H, T, D) in place and return the keys/values to attend over (B, H, S, D), in the cache's
@@ -210,3 +212,22 @@ class CacheStep:
         else:
             k_all, v_all = cache_k[self.slot_index, :, : self.kv_len], cache_v[self.slot_index, :, : self.kv_len]
         return k_all, v_all  # in the cache's dtype: attention casts the queries to it (model/gpt.py)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of the step's queries q (B, H, T, D) over the keys and values `update` returned, each row over
+        the entries it may see.
+
+        A 16-bit cache on a CPU: rows of different lengths attend one call each, over just their own keys (the mask
+        only where a row adds several tokens). PyTorch's CPU attention splits the keys into blocks by their count
+        (512 at most, else all of them), so one padded call over the batch's longest row rounds a row differently
+        from that row alone, and in bf16 that flipped seeded tokens of a request batched with others (random GPT-2
+        124M, 8 requests of 60 tokens: 3 differed from the same request alone). One call per row gives a row the
+        result it gets alone, and skips the padding: bf16 decode steps at 16 / 64 rows were 12-25% faster
+        (docs/performance.md). In fp32 the rounding is ~1e-7 and the per-row calls were 3-9% slower at 16 rows,
+        so fp32, like CUDA (and the static shapes of CUDA graphs), makes one masked call."""
+        if self.row_kv is not None and q.device.type == "cpu" and q.element_size() == 2:
+            T = q.size(2)
+            return torch.cat([F.scaled_dot_product_attention(
+                q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
+                attn_mask=None if T == 1 else self.mask[b:b + 1, :, :, :n]) for b, n in enumerate(self.row_kv)])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.is_causal)

@@ -135,6 +135,7 @@ class PackedLinear(_Served):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
         self.bias = None if layer.bias is None else layer.bias.detach().clone()
         self.column_major: torch.Tensor | None = None  # MKL's one-row copy, only where tune() kept it
+        self.one_row_as_two = False  # tune(): oneDNN rounds this shape's one-row product unlike a batch's
 
     def matrix_bytes(self) -> int:  # the opaque packed tensor holds the plain weight's elements (plus padding)
         n = self.in_features * self.out_features * (1 + (self.column_major is not None))
@@ -142,8 +143,11 @@ class PackedLinear(_Served):
 
     def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
         x = x.to(self.dtype)
-        if self.column_major is not None and x.numel() == x.shape[-1]:
-            return _act(F.linear(x, self.column_major, self.bias), act)
+        if x.numel() == x.shape[-1]:  # one row
+            if self.column_major is not None:
+                return _act(F.linear(x, self.column_major, self.bias), act)
+            if self.one_row_as_two:  # the batch's path, so a row gets the result it gets beside others
+                return self.forward(x.reshape(1, -1).expand(2, -1).contiguous(), act)[:1].reshape(x.shape[:-1] + (-1,))
         post = _post_op(act)
         if post is not None:
             return ONEDNN_LINEAR(x, self.packed, self.bias, post[0], [], post[1])
@@ -391,12 +395,21 @@ def weight_bytes(model: nn.Module) -> int:
 
 @torch.inference_mode()
 def tune(model: nn.Module, repeats: int = 7) -> dict:
-    """Per weight shape of the fp32 PackedLinears, time one row through oneDNN's packed copy against MKL's GEMV on
-    a column-major copy (interleaved, median ratio); keep that copy (the weight's memory once more) only where MKL
-    is >= 10% faster. `GPT_SMALL_LINEAR=mkl|onednn` forces either. For the engine's warm-up, never a request's
-    forward; returns {(out, in): "mkl" | "onednn"}."""
+    """The one-row path of each PackedLinear shape, at the engine's warm-up (never a request's forward): where
+    oneDNN rounds a lone 16-bit row unlike a batch's, the row runs as two (`_one_row_rounds_apart`); then, per
+    shape of the fp32 ones, one row through oneDNN's packed copy is timed against MKL's GEMV on a column-major copy
+    (interleaved, median ratio), and that copy (the weight's memory once more) is kept only where MKL is >= 10%
+    faster.
+    `GPT_SMALL_LINEAR=mkl|onednn` forces either. Returns {(out, in): "mkl" | "onednn"}."""
     forced = os.environ.get("GPT_SMALL_LINEAR", "auto")
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.dtype == torch.float32]
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    narrow = [m for m in packed if m.dtype != torch.float32]
+    for key in dict.fromkeys((m.out_features, m.in_features, m.dtype) for m in narrow):
+        alike = [m for m in narrow if (m.out_features, m.in_features, m.dtype) == key]
+        as_two = _one_row_rounds_apart(alike[0])
+        for m in alike:
+            m.one_row_as_two = as_two
+    layers = [m for m in packed if m.dtype == torch.float32]
     choice: dict[tuple, str] = {}
     for shape in dict.fromkeys((m.out_features, m.in_features) for m in layers):
         if forced in ("mkl", "onednn"):
@@ -408,6 +421,19 @@ def tune(model: nn.Module, repeats: int = 7) -> dict:
         if choice.get((m.out_features, m.in_features)) == "mkl" and m.column_major is None:
             m.column_major = _unpack_column_major(m)
     return choice
+
+
+def _one_row_rounds_apart(m: PackedLinear, rows: int = 16) -> bool:
+    """Whether oneDNN gives a row alone a result other than the same row in a batch (it takes another path for one
+    row on some shapes, e.g. GPT-2's 3072 → 768 here: another summation order over the inputs; rows of 2 and more
+    agree). In bf16 that rounding flips a seeded request's tokens with its neighbours (3 of 8 GPT-2 requests, with
+    the attention's share), so such a layer runs a lone row as two (`PackedLinear.one_row_as_two`; GPT-2 bf16 batch
+    1 was no slower). Checked for the 16-bit layers only: in fp32 the difference is ~1e-6 and running GPT-2's
+    lone rows as two cost 5-10% at batch 1."""
+    x = torch.randn(rows, m.in_features).to(m.dtype)
+    batch = ONEDNN_LINEAR(x, m.packed, m.bias, "none", [], "")
+    return any(not torch.equal(ONEDNN_LINEAR(x[r:r + 1], m.packed, m.bias, "none", [], ""), batch[r:r + 1])
+               for r in range(rows))
 
 
 def _mkl_over_onednn(m: PackedLinear, repeats: int) -> float:

@@ -166,3 +166,21 @@ def test_weight_bytes_counts_one_copy():
     if L.ONEDNN_LINEAR is not None:
         L.convert(model, "none")  # each packed copy replaces its plain weight; the tied head gets one of its own
         assert L.weight_bytes(model) == plain + model.transformer.wte.weight.numel() * 4
+
+
+@needs_onednn
+def test_a_lone_bf16_row_gets_the_product_it_gets_in_a_batch():
+    # oneDNN takes another path for one row on some shapes (GPT-2's MLP projection, 3072 -> 768, on the CPUs measured:
+    # ~1 bf16 row in 6 rounded apart); tune() finds those and runs a lone row as two
+    dtype = torch.bfloat16
+    lin = layer(768, 3072).to(dtype)
+    m = L.PackedLinear(lin)
+    with torch.inference_mode():
+        L.tune(torch.nn.Sequential(m))
+        x = torch.randn(16, 3072).to(dtype)
+        batch = m(x)
+        for r in range(16):
+            assert torch.equal(m(x[r:r + 1]), batch[r:r + 1]), r
+        if m.one_row_as_two:  # the lone row's result also stays close to the reference
+            torch.testing.assert_close(m(x[:1]).float(), F.linear(x[:1], lin.weight, lin.bias).float(),
+                                       atol=0.1, rtol=0.02)

@@ -246,3 +246,36 @@ def test_a_narrower_kv_cache_stays_close_to_full_recompute_and_batch_invariant(k
         torch.testing.assert_close(batched[r], ref, atol=2e-3, rtol=0)
         assert (batched[r] - ref).abs().max() > 0  # the cache really held rounded keys
         torch.testing.assert_close(batched[r], solo[r], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_row_attends_as_it_does_alone_whatever_its_batch(dtype):
+    # KVCache / CacheStep.attend, a 16-bit cache: rows of different lengths decoding (one token) or verifying
+    # (several) together get, bit for bit, the attention they get alone in a one-slot cache. PyTorch's CPU attention
+    # blocks the keys by their count, so one masked call over the longest row rounded the shorter rows differently
+    # (bf16: a seeded request's tokens changed with its neighbours). Lengths on both sides of 512, GPT-2's heads.
+    g = torch.Generator().manual_seed(0)
+    cfg = GPTConfig(vocab_size=8, block_size=1024, n_layer=1, n_head=12, n_embd=768)
+    lens = [700, 90, 511, 260, 33]
+
+    def kv(n):
+        return (torch.randn(1, 12, n, 64, generator=g).to(dtype), torch.randn(1, 12, n, 64, generator=g).to(dtype))
+
+    prefix = [kv(n) for n in lens]
+    for T in (1, 3):
+        new = [kv(T) for _ in lens]
+        q = torch.randn(len(lens), 12, T, 64, generator=g).to(dtype)
+
+        def attend(rows, T=T, new=new, q=q):
+            cache = KVCache(cfg, n_slots=len(rows), dtype=dtype)
+            for s, r in enumerate(rows):
+                cache.k[0][s, :, :lens[r]], cache.v[0][s, :, :lens[r]] = prefix[r]
+                cache.lengths[s] = cache.lengths_t[s] = lens[r]
+            step = cache.plan(range(len(rows)), T)
+            k, v = step.update(cache.k[0], cache.v[0], torch.cat([new[r][0] for r in rows]),
+                               torch.cat([new[r][1] for r in rows]))
+            return step.attend(q[rows], k, v)
+
+        batched = attend(list(range(len(lens))))
+        for r in range(len(lens)):
+            assert torch.equal(batched[r:r + 1], attend([r])), (T, r)

@@ -423,13 +423,13 @@ def tune(model: nn.Module, repeats: int = 7) -> dict:
     return choice
 
 
-def _one_row_rounds_apart(m: PackedLinear, rows: int = 16) -> bool:
+def _one_row_rounds_apart(m: PackedLinear, rows: int = 64) -> bool:
     """Whether oneDNN gives a row alone a result other than the same row in a batch (it takes another path for one
     row on some shapes, e.g. GPT-2's 3072 → 768 here: another summation order over the inputs; rows of 2 and more
     agree). In bf16 that rounding flips a seeded request's tokens with its neighbours (3 of 8 GPT-2 requests, with
     the attention's share), so such a layer runs a lone row as two (`PackedLinear.one_row_as_two`; GPT-2 bf16 batch
     1 was no slower). Checked for the 16-bit layers only: in fp32 the difference is ~1e-6 and running GPT-2's
-    lone rows as two cost 5-10% at batch 1."""
+    lone rows as two cost 5-10% at batch 1. 64 random rows: at 1 row in 6 apart, a miss is a 1e-5 chance."""
     x = torch.randn(rows, m.in_features).to(m.dtype)
     batch = ONEDNN_LINEAR(x, m.packed, m.bias, "none", [], "")
     return any(not torch.equal(ONEDNN_LINEAR(x[r:r + 1], m.packed, m.bias, "none", [], ""), batch[r:r + 1])

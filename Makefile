@@ -11,7 +11,7 @@ ifneq ($(wildcard $(SHARED_TIKTOKEN)),)
 export TIKTOKEN_CACHE_DIR ?= $(SHARED_TIKTOKEN)
 endif
 
-.PHONY: install test test-slow lint serve bench bench-peers gpu-check clean
+.PHONY: install test test-cpu-isa test-slow lint serve bench bench-peers gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -m "not slow" -q
+
+# The kernel-choice tests (and a server start per --dtype / --quantize) as an AVX2-only CPU runs them, on any x86
+# host: oneDNN and ATen capped at AVX2 (model/cpu_support.py). CI runs it after `make test`.
+CPU_ISA_TESTS := tests/test_cpu_support.py tests/test_linear.py tests/test_quantize.py tests/test_sizing.py
+test-cpu-isa: install
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m "slow or not slow" $(CPU_ISA_TESTS)
 
 # Browser test: also needs Debian's chromium (apt-get install -y chromium); skipped with a reason without it.
 test-slow: install

@@ -128,6 +128,8 @@ class Service:
                  info.get("weights"), (info.get("weight_bytes") or 0) / 1e6, slots, kv.get("bytes", 0) / 1e6,
                  kv.get("dtype"), draft_kv, kv.get("budget", 0) / 1e6,
                  "thread" if s.engine == "thread" else f"process (pid {self.core.pid})", self.chat_template.origin)
+        if info.get("cpu_note"):
+            log.warning("%s", info["cpu_note"])
 
     def eos_text(self) -> str:
         tok = self.tokenizer

@@ -26,6 +26,7 @@ def variants(C: int = 768):
     import torch.nn.functional as F
 
     import model.linear as L
+    from model.cpu_support import support
 
     torch.manual_seed(0)
     shapes = [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)] * 12
@@ -39,14 +40,19 @@ def variants(C: int = 768):
     cm = [lin.weight.t().contiguous().t() for lin in lins]
     v["fp32 MKL column-major"] = ([lambda x, w=w, b=lin.bias: F.linear(x, w, b) for w, lin in zip(cm, lins)],
                                   torch.float32)
-    if L.ONEDNN_LINEAR is not None:
+    if L.ONEDNN_LINEAR is not None and support().packed_fp32:
         v["fp32 oneDNN packed"] = ([L.PackedLinear(lin) for lin in lins], torch.float32)
+    if L.ONEDNN_LINEAR is not None and support().packed_bf16:
         v["bf16 oneDNN packed"] = ([L.PackedLinear(copy.deepcopy(lin).to(torch.bfloat16)) for lin in lins],
                                    torch.bfloat16)
+    else:  # what a bf16 server runs where oneDNN cannot pack bf16 (AVX2): the plain weight through F.linear
+        b16 = [copy.deepcopy(lin).to(torch.bfloat16) for lin in lins]
+        v["bf16 F.linear (no packing here)"] = ([lambda x, m=m: F.linear(x, m.weight, m.bias) for m in b16],
+                                                torch.bfloat16)
     q8 = [L.quantize_int8(lin.weight) for lin in lins]
     v["int8 weight-only (bf16 x)"] = ([lambda x, q=q, b=lin.bias: torch.ops.aten._weight_int8pack_mm(
         x, q[0], q[1].bfloat16()) + b.bfloat16() for q, lin in zip(q8, lins)], torch.bfloat16)
-    if L.HAS_FBGEMM:
+    if support().fbgemm:
         v["int8 fbgemm row-normalised (Int8Linear)"] = (
             [L.Int8Linear(q[0], q[1], lin.bias, torch.float32) for q, lin in zip(q8, lins)], torch.float32)
     for g in (32, 128):
@@ -59,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from model.device import cpu_flags
+    from model.cpu_support import support
 
     p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,2,4,16,64")
@@ -97,10 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, s in samples.items():
                 table[name][str(r)] = round(sorted(s)[len(s) // 2], 2)
             print(f"rows={r}: " + "  ".join(f"{n}={table[n][str(r)]}" for n in v), flush=True)
-    flags = cpu_flags()
     data = {"env": env_info(), "threads": threads, "unit": "ms per pass over GPT-2 124M's 48 block matmuls",
-            "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8",
-                                         "avx_vnni"}),
+            "cpu": support().describe(),
             "relative_error_vs_fp32": errors, "ms": table}
     print(f"wrote {write_result(args.out, data)}")
     return 0

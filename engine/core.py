@@ -44,6 +44,7 @@ from engine.prompt_logprobs import PROMPT_LOGPROBS_PIECE, PromptScorer
 from engine.request import EngineRequest, ErrorKind, RequestOutput, check_context
 from engine.sampling import Sampler, SamplingParams, bad_token
 from engine.scheduler import Scheduler, Step, finish_reason
+from engine.sizing import SizingError
 from engine.spec_decode import SpecConfig, Speculator
 from engine.spec_decode.config import VERIFY_POSITIONS
 from engine.structured_output import Grammars, Matchers
@@ -68,7 +69,11 @@ class EngineCore:
         self.max_len = max_len or model.config.block_size
         self.n_slots = n_slots
         self.kv_dtype = kv_dtype or self.dtype
-        self.cache = KVCache(model.config, n_slots, self.max_len, dtype=self.kv_dtype, device=self.device)
+        try:
+            self.cache = KVCache(model.config, n_slots, self.max_len, dtype=self.kv_dtype, device=self.device)
+        except RuntimeError as e:  # out of memory (CPU allocator or CUDA)
+            raise SizingError(f"cannot allocate the KV cache ({n_slots} slots x {self.max_len} tokens): "
+                              f"{type(e).__name__}: {e}") from e
         self.sampler = Sampler(n_slots, vocab_size, self.max_len, self.device, eos_id=eos_id)
         if pad_vocab:  # the sampler then reads the logits in place, as whole blocks (a server owns its model;
             model.pad_vocab(self.sampler.padded)  # the library leaves a caller's model as it is: it may train on)

@@ -131,8 +131,8 @@ def serving_dtype(cfg: CoreConfig, device, dtype) -> tuple[Any, dict | None]:
 
     if cfg.dtype != "auto" or device.type != "cpu" or cfg.quantize != "none":
         return dtype, None
+    from model import cpu_support
     from model.checkpoint import read_config
-    from model.device import BF16_FLAGS, cpu_flags
     from model.linear import ONEDNN_LINEAR, time_dtypes
 
     try:
@@ -141,9 +141,12 @@ def serving_dtype(cfg: CoreConfig, device, dtype) -> tuple[Any, dict | None]:
         return dtype, None
     key = (n_embd, torch.get_num_threads())
     if key not in _DTYPE_CHOICES:
-        native = sorted(set(BF16_FLAGS) & cpu_flags())
-        if not native or ONEDNN_LINEAR is None:
-            _DTYPE_CHOICES[key] = (torch.float32, {"picked": "fp32", "why": "no native bf16 (avx512_bf16 / amx_bf16)"})
+        cpu = cpu_support.support()
+        native = sorted(set(cpu_support.BF16_FLAGS) & cpu.flags)
+        if not cpu.native_bf16 or ONEDNN_LINEAR is None:
+            why = "no native bf16 (avx512_bf16 / amx_bf16)" if not native else \
+                f"oneDNN does not pack bf16 here (needs {cpu_support.PACKED_BF16_NEEDS})"
+            _DTYPE_CHOICES[key] = (torch.float32, {"picked": "fp32", "why": why})
         else:
             ms = time_dtypes(n_embd, 4 * n_embd)
             fast = all(ms["bf16"][r] * BF16_SPEEDUP <= ms["fp32"][r] for r in ms["fp32"])
@@ -258,10 +261,12 @@ def build_core(cfg: CoreConfig, loaded=None):
                           kv_dtype=kv_dtype, speculative=spec, draft_model=draft,
                           tokenizer=ckpt.tokenizer)  # structured output compiles grammars against it
     except FormatError as e:
-        raise StartupError(f"cannot serve {cfg.checkpoint} as {cfg.quantize} (--quantize): {e}") from None
-    except (RuntimeError, ValueError) as e:  # e.g. the KV cache does not fit in memory
-        raise StartupError(f"cannot allocate the KV cache ({slots} slots x {block} tokens): "
-                           f"{type(e).__name__}: {e}") from None
+        raise StartupError(f"cannot serve {cfg.checkpoint} as {cfg.quantize} (--quantize) in "
+                           f"{DTYPE_NAMES.get(dtype, dtype)} (--dtype): {e}") from None
+    except SizingError as e:  # the KV cache did not fit after all
+        raise StartupError(str(e)) from None
+    except (RuntimeError, ValueError) as e:  # any other step of building the core (warm-up, speculation, ...)
+        raise StartupError(f"cannot start the engine core for {cfg.checkpoint}: {type(e).__name__}: {e}") from None
     info: dict[str, Any] = {"device": str(device), "dtype": DTYPE_NAMES.get(dtype, str(dtype)), "n_params": n_params,
                             "max_batch_size": slots, "load_seconds": round(seconds, 2), "pid": os.getpid(),
                             "weights": core.weights["format"], "weight_bytes": core.weight_bytes,
@@ -280,11 +285,32 @@ def build_core(cfg: CoreConfig, loaded=None):
                                 "method": spec.method, "draft": spec.draft, "num_speculative_tokens": spec.k,
                                 "ngram_min": spec.ngram_min, "ngram_max": spec.ngram_max,
                                 "max_batch": spec.max_batch, "draft_p_min": spec.draft_p_min}}
+    if device.type == "cpu":
+        info["cpu"], info["cpu_note"] = cpu_report(dtype, cfg.quantize)
     classify = None
     if task is not None:
         def classify(items: list) -> list[dict[str, float]]:
             return task.predict(ckpt.model, ckpt.tokenizer, items)
     return core, info, classify
+
+
+def cpu_report(dtype, quantize: str) -> tuple[dict, str | None]:
+    """What this CPU's kernels can do (for /info), and a line for the start-up log where the chosen dtype runs
+    without a native kernel here (it serves, slower than fp32: docs/api.md, "Formats per CPU")."""
+    import torch
+
+    from model import cpu_support
+    from model.device import DTYPE_NAMES
+
+    cpu = cpu_support.support()
+    native = {torch.bfloat16: cpu.native_bf16, torch.float16: "avx512_fp16" in cpu.flags}
+    note = None
+    if quantize == "none" and not native.get(dtype, True):
+        name = DTYPE_NAMES.get(dtype, str(dtype))
+        note = (f"{name} weights run through plain F.linear: this CPU (ATen {cpu.capability}) has no native {name} "
+                f"matmul (bf16 needs avx512_bf16 or amx_bf16 and {cpu_support.PACKED_BF16_NEEDS}; fp16 avx512_fp16), "
+                f"so it is slower than --dtype fp32 or --quantize int8 here")
+    return cpu.describe(), note
 
 
 def speculation(cfg: CoreConfig, ckpt, device, dtype):

@@ -74,18 +74,3 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":  # bf16 halves weight reads on the GPU; CPUs are fastest (and exact) in fp32
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     return DTYPES[name]
-
-
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPUs that compute bf16 natively; elsewhere oneDNN emulates it, slowly
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo), empty where they cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()

@@ -4,7 +4,9 @@ The network (model/gpt.py) is built of plain nn.Linear layers and calls `linear(
 `convert(model, fmt)` swaps each block's nn.Linear for a module of this file holding ONE copy of its weight, in
 the layout its kernel reads (gpt-fast's quantize.py: `WeightOnlyInt8Linear` swapped in at load):
 
-- `PackedLinear`  fp32 or bf16 on a CPU: the weight in oneDNN's blocked layout (the plain copy is freed). oneDNN
+- `PackedLinear`  fp32 or bf16 on a CPU whose oneDNN packs that dtype (`model.cpu_support`: bf16 needs AVX-512 or
+                  AVX-NE-CONVERT; elsewhere the plain nn.Linear stays, through F.linear): the weight in oneDNN's
+                  blocked layout (the plain copy is freed). oneDNN
                   reordered a plain weight on every batched call; the packed copy saves that (batch 16 decode step
                   51 -> 44 ms on 2 Xeon cores).
 - `Int8Linear`    int8 per output channel (symmetric, scale = max|w| / 127). On a CPU with fbgemm (x86), the weight
@@ -47,6 +49,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model import cpu_support
+
 FORMATS = ("none", "int8", "int4")
 INT4_GROUPS = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP = 32  # llama.cpp's q4_0 block; 128 measured ~10% faster at one row (bench/kernels.py)
@@ -70,7 +74,6 @@ def _onednn_linear_op():
 # 36.8 ms, 13.6 GB/s) and whose small-batch GEMM is slow; oneDNN's inner product reads the same (out, in) weights,
 # no copy, over both threads (21.4 ms). It has no autograd formula, so it serves only passes that need no gradient.
 ONEDNN_LINEAR = _onednn_linear_op()
-HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
 
 
 def _post_op(act: nn.Module | None) -> tuple[str, str] | None:
@@ -213,7 +216,7 @@ class Int8Linear(_Served):
         self.bias = None if bias is None else bias.detach().to(torch.float32, copy=True)
         self.fbgemm = None
         self.q = self.scale = None
-        if q.device.type == "cpu" and HAS_FBGEMM:
+        if q.device.type == "cpu" and cpu_support.support().fbgemm:
             q2 = torch.cat([q, torch.zeros(q.shape[0], 2, dtype=torch.int8)], 1)  # the ±1 inputs' weights
             with warnings.catch_warnings():  # quantized tensors are deprecated, fbgemm's kernels still take them (2.13)
                 warnings.simplefilter("ignore", UserWarning)
@@ -329,8 +332,9 @@ def block_linears(model: nn.Module):
 
 def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP) -> dict:
     """Swap the block Linears (and the tied head: for none a packed copy beside the embedding, for int8/int4 one
-    quantized table shared with it) for served modules, in place. fmt: none (PackedLinear on a CPU in fp32/bf16;
-    nothing elsewhere), int8, int4. Returns what it did (`swapped` counts the block Linears)."""
+    quantized table shared with it) for served modules, in place. fmt: none (PackedLinear on a CPU in fp32, and in
+    bf16 where this CPU packs it; nothing elsewhere), int8, int4. Returns what it did (`swapped` counts the block
+    Linears)."""
     if fmt not in FORMATS:
         raise FormatError(f"unknown weight format {fmt!r}: use one of {', '.join(FORMATS)}")
     param = next(model.parameters())
@@ -342,18 +346,28 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
                               f"(or none), or quantize its fp32 source to {fmt}")
         return {"format": stored, "swapped": 0, "group": None}
     if fmt == "int4":
+        if device.type == "cpu" and not cpu_support.support().int4_pack:
+            raise FormatError(f"int4 needs PyTorch's CPU int4 kernels, which do not run on this CPU (ATen capability "
+                              f"{cpu_support.support().capability}): use --quantize int8")
         for name, _, _, lin in block_linears(model):
             check_int4_shape(tuple(lin.weight.shape), group, name)
+    # fp32 / bf16 go to oneDNN's packed layout where this CPU packs that dtype; elsewhere (bf16 without AVX-512 /
+    # AVX-NE-CONVERT, fp16 everywhere) the plain nn.Linear stays and runs through F.linear (docs/api.md, formats)
+    pack = fmt == "none" and device.type == "cpu" and ONEDNN_LINEAR is not None and cpu_support.support().packs(dtype)
     swapped = 0
-    for _name, parent, child_name, lin in list(block_linears(model)):
+    for name, parent, child_name, lin in list(block_linears(model)):
         new = None
-        if fmt == "none":
-            if device.type == "cpu" and ONEDNN_LINEAR is not None and dtype in (torch.float32, torch.bfloat16):
-                new = PackedLinear(lin)
-        elif fmt == "int8":
-            new = Int8Linear(*quantize_int8(lin.weight), lin.bias, dtype)
-        else:
-            new = Int4Linear(*quantize_int4(lin.weight, group), lin.bias, dtype, group)
+        try:
+            if fmt == "none":
+                if pack:
+                    new = PackedLinear(lin)
+            elif fmt == "int8":
+                new = Int8Linear(*quantize_int8(lin.weight), lin.bias, dtype)
+            else:
+                new = Int4Linear(*quantize_int4(lin.weight, group), lin.bias, dtype, group)
+        except RuntimeError as e:  # a kernel that refuses this CPU or device: name the step, not a later one
+            raise FormatError(f"cannot prepare {name} ({fmt}, {str(dtype).removeprefix('torch.')}) for this "
+                              f"{device.type}'s kernels: {e}") from e
         if new is not None:
             setattr(parent, child_name, new)  # the plain weight is freed with the old module
             swapped += 1

@@ -14,6 +14,19 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCK = 128  # context of the tiny checkpoint (tests/conftest.py's tiny_ckpt)
 
 
+# ------------------------------------------------------------------------------------------------ CPU capabilities
+def force_cpu(monkeypatch, **answers):
+    """Make `model.cpu_support.support()` answer as another CPU would (e.g. packed_bf16=False: an AVX2 host), for
+    the rest of the test; every kernel choice reads it there."""
+    import dataclasses
+
+    import model.cpu_support as cs
+
+    forced = dataclasses.replace(cs.support(), **answers)
+    monkeypatch.setattr(cs, "support", lambda: forced)
+    return forced
+
+
 # ------------------------------------------------------------------------------------------------ model, tokenizer
 def write_byte_ranks(path: Path, merges: list[bytes] = ()) -> Path:
     """A valid .tiktoken ranks file: the 256 bytes plus the given merged tokens."""

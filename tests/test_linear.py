@@ -11,10 +11,15 @@ import torch.nn.functional as F
 
 import model.linear as L
 from model.config import GPTConfig
+from model.cpu_support import PACKED_BF16_NEEDS, support
 from model.gpt import GPT
 from model.kv_cache import KVCache
+from tests.helpers import force_cpu
 
 needs_onednn = pytest.mark.skipif(L.ONEDNN_LINEAR is None, reason="this torch build has no oneDNN linear")
+# the same answer model.linear.convert reads: oneDNN packs bf16 only on AVX-512 / AVX-NE-CONVERT CPUs
+needs_packed_bf16 = pytest.mark.skipif(not support().packed_bf16,
+                                       reason=f"oneDNN does not pack bf16 on this CPU (needs {PACKED_BF16_NEEDS})")
 
 
 def small_gpt(seed: int = 0, n_embd: int = 64) -> GPT:
@@ -44,7 +49,8 @@ def test_plain_linear_is_f_linear_with_the_activation():
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), pytest.param(torch.bfloat16, 2e-2,
+                                                                            marks=needs_packed_bf16)])
 @pytest.mark.parametrize("rows", [1, 2, 4, 17])
 def test_packed_linear_equals_f_linear(rows, dtype, tol):
     lin = layer()
@@ -106,9 +112,9 @@ def test_int4_quantization_round_trips_and_packs(group):
 
 @pytest.mark.parametrize("fbgemm", [True, False])
 def test_int8_linear_is_close_to_fp32_and_batch_invariant(fbgemm, monkeypatch):
-    if fbgemm and not L.HAS_FBGEMM:
-        pytest.skip("no fbgemm in this torch build")
-    monkeypatch.setattr(L, "HAS_FBGEMM", fbgemm)
+    if fbgemm and not support().fbgemm:
+        pytest.skip("no fbgemm in this torch build or CPU")
+    force_cpu(monkeypatch, fbgemm=fbgemm)
     lin = layer(48, 64)
     m = L.Int8Linear(*L.quantize_int8(lin.weight), lin.bias, torch.float32)
     assert (m.fbgemm is not None) == fbgemm
@@ -169,6 +175,7 @@ def test_weight_bytes_counts_one_copy():
 
 
 @needs_onednn
+@needs_packed_bf16
 def test_a_lone_bf16_row_gets_the_product_it_gets_in_a_batch():
     # oneDNN takes another path for one row on some shapes (GPT-2's MLP projection, 3072 -> 768, on the CPUs measured:
     # ~1 bf16 row in 6 rounded apart); tune() finds those and runs a lone row as two

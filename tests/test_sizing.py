@@ -154,8 +154,8 @@ def test_bad_format_settings_are_one_line_errors():
 
 def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(monkeypatch):
     import engine.core_process as cp
-    import model.device
     import model.linear
+    from tests.helpers import force_cpu
 
     ckpt = str(Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare")
     fast = {"fp32": {1: 2.0, 16: 4.0}, "bf16": {1: 1.0, 16: 2.0}}
@@ -164,7 +164,7 @@ def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(monke
     for flags, times, want in [(set(), fast, torch.float32), ({"avx2", "avx512_bf16"}, fast, torch.bfloat16),
                                ({"amx_bf16"}, slow, torch.float32)]:
         monkeypatch.setattr(cp, "_DTYPE_CHOICES", {})
-        monkeypatch.setattr(model.device, "cpu_flags", lambda flags=flags: flags)
+        force_cpu(monkeypatch, flags=frozenset(flags), packed_bf16=True)
         monkeypatch.setattr(model.linear, "time_dtypes", lambda i, o, t=times: timed.append((i, o)) or t)
         dtype, why = cp.serving_dtype(CoreConfig(checkpoint=ckpt), CPU, torch.float32)
         assert dtype == want and why["picked"] == {torch.float32: "fp32", torch.bfloat16: "bf16"}[want]

@@ -74,6 +74,7 @@ async def info(service: ServiceDep) -> dict:
             "weights": info.get("weights"), "weight_bytes": info.get("weight_bytes"),
             "kv_cache": info.get("kv_cache"), "kernels": info.get("kernels"),
             "dtype_choice": info.get("dtype_choice"), "thread_choice": info.get("thread_choice"),
+            "cpu": info.get("cpu"), "cpu_note": info.get("cpu_note"),
             "speculative": info.get("speculative"),
             "api_servers": service.settings.api_servers})
     if service.limits is not None:

@@ -112,7 +112,7 @@ compose_replicas() {
     PROMETHEUS_CONFIG=./deploy/replicas/prometheus.yml \
         "${compose_cmd[@]}" -p "$REPLICAS_PROJECT" -f docker-compose.yml --profile replicas "$@"
 }
-log "compose: ${compose_cmd[*]} ($("${compose_cmd[@]}" version 2>/dev/null | head -n1))"
+log "compose: ${compose_cmd[*]} ($("${compose_cmd[@]}" version 2>/dev/null | sed -n 1p))"
 
 port_in_use() { python3 -c 'import socket,sys; s=socket.socket(); s.settimeout(1); sys.exit(0 if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 else 1)' "$1"; }
 if [[ "$run_default" == 1 ]]; then
@@ -345,7 +345,8 @@ EOF
             -d '{"inputs":"JULIET:","parameters":{"max_new_tokens":4}}' "$LB_URL/generate" \
             || fail "POST /generate #$i through the balancer failed"
     done
-    local upstreams
+    local upstreams sent_at
+    sent_at=$(date +%s)
     upstreams=$(compose_replicas logs --no-color lb 2>/dev/null | grep -o 'upstream=[0-9.]*:8000' | sort | uniq -c | awk '{printf " %s=%s", substr($2, 10), $1}')
     log "  lb access log, requests per upstream:${upstreams:- (none found)}"
 
@@ -373,6 +374,19 @@ for t in json.load(open(sys.argv[1]))["data"]["activeTargets"]:
         print(f"  target {t['labels'].get('replica')} ({t['scrapeUrl']}): {t['health']}")
 EOF
     log "Prometheus: all ${#REPLICAS[@]} replica targets are up"
+    # the counts are read from a scrape made after the requests above (every replica's sample newer than them);
+    # reading at once showed the scrape before them (app-1=0, app-2=0 although each had served)
+    log "waiting for a scrape of every replica newer than the last request (sent at $sent_at)"
+    deadline=$((SECONDS + 60))
+    until curl -fsS --max-time 5 "$PROM_URL/api/v1/query" \
+            --data-urlencode 'query=min(timestamp(gpt_generated_tokens_total{job="gpt-serve"}))' -o "$tmp/ts.json" \
+        && python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["data"]["result"]; sys.exit(0 if r and float(r[0]["value"][1]) > float(sys.argv[2]) else 1)' \
+            "$tmp/ts.json" "$sent_at"; do
+        if ((SECONDS >= deadline)); then
+            fail "no scrape of every replica after the requests within 60 s: $(head -c 300 "$tmp/ts.json" 2>/dev/null)"
+        fi
+        sleep 2
+    done
     if curl -fsS --max-time 5 "$PROM_URL/api/v1/query" --data-urlencode 'query=sum by (replica) (gpt_generated_tokens_total)' \
         -o "$tmp/query.json"; then
         log "  gpt_generated_tokens_total by replica (latest scrape): $(python3 -c 'import json,sys; print(", ".join(r["metric"].get("replica","?") + "=" + r["value"][1] for r in json.load(open(sys.argv[1]))["data"]["result"]))' "$tmp/query.json" 2>/dev/null || head -c 300 "$tmp/query.json")"

@@ -51,7 +51,7 @@ if ! docker compose version >/dev/null 2>&1; then
     ln -sf "$plugin" /usr/local/lib/docker/cli-plugins/docker-compose
 fi
 docker compose version
-docker-compose version | head -n1
+docker-compose version | sed -n 1p  # sed reads to the end: head would SIGPIPE the writer (exit 141 under pipefail)
 
 # ---------------------------------------------------------------- engine
 if ! docker info >/dev/null 2>&1; then
@@ -117,7 +117,7 @@ ENTRYPOINT ["/bin/prometheus"]
 CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]
 EOF
 fi
-docker run --rm prom/prometheus:latest --version | head -n1
+docker run --rm prom/prometheus:latest --version | sed -n 1p
 
 # ---------------------------------------------------------------- nginx stand-in (replicas balancer)
 NGINX_IMAGE=${NGINX_IMAGE:-nginx:1.27-alpine}

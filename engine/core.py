@@ -40,6 +40,8 @@ import time
 
 import torch
 
+from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
+from engine.compiled_decode import MODES as COMPILE_MODES
 from engine.prompt_logprobs import PROMPT_LOGPROBS_PIECE, PromptScorer
 from engine.request import EngineRequest, ErrorKind, RequestOutput, check_context
 from engine.sampling import Sampler, SamplingParams, bad_token
@@ -62,7 +64,8 @@ class EngineCore:
                  min_prefix: int = 16, idle_prefill_chunk: int | None = None, tokenizer=None,
                  prepack: bool = False, quantize: str = "none", int4_group: int = DEFAULT_INT4_GROUP,
                  kv_dtype: torch.dtype | None = None, speculative: SpecConfig | None = None,
-                 draft_model: GPT | None = None) -> None:
+                 draft_model: GPT | None = None, compile: str = "off",
+                 compile_max_batch: int = DEFAULT_COMPILE_MAX_BATCH) -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -82,6 +85,15 @@ class EngineCore:
         # a caller's model as it is. The one-row kernel choice is timed here, at start-up, never on a request
         self.weights = {"format": "none", "swapped": 0}
         self.kernels: dict = {}
+        # a compiled CPU decode step (engine.compiled_decode) reads plain weights: oneDNN's packed copies are
+        # opaque to dynamo, and inductor packs its own; quantized weights (fbgemm's packed int8) stay eager
+        self.compile = compile if self.device.type == "cpu" and quantize == "none" else "off"
+        self.compile_max_batch = min(compile_max_batch, n_slots)
+        self._compiled = None
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
+        if self.compile == "on":
+            prepack = False
         if quantize != "none" or (prepack and self.device.type == "cpu"):
             self.weights = convert(model, quantize, int4_group)
             if self.device.type == "cpu":
@@ -97,6 +109,7 @@ class EngineCore:
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self._graphed = None
         self.warmup_error: str | None = None
+        self.compile_seconds: float | None = None  # the compiled decode step's start-up cost, once made
         # counters (read by stats())
         self.decode_steps = 0
         self.prefill_chunks = 0
@@ -224,8 +237,9 @@ class EngineCore:
                 self.generated_tokens += sum(map(len, verified)) - n  # the tokens beyond a row's one (below)
                 draws += verified
             else:
-                if self._graphed is not None:
-                    logits = self._graphed(self.sampler.last[:n], n)
+                graphed = self._graphed or self._compiled
+                if graphed is not None and n <= graphed.max_batch:
+                    logits = graphed(self.sampler.last[:n], n)
                 else:
                     logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
                 draws += self.sampler.step(logits, range(n), masks.next(step.decode) if masks else None)
@@ -394,10 +408,13 @@ class EngineCore:
                     self.cache.reset(0)
                     self.model.forward_cached(torch.zeros(1, longest, dtype=torch.long, device=self.device),
                                               self.cache, [0])
-            if self.cuda_graphs:  # on empty slots: slot 0 may now hold the whole context, and a captured step
-                for s in range(n):  # writes at each slot's length
+            if self.cuda_graphs or self.compile == "on":  # on empty slots: slot 0 may now hold the whole
+                for s in range(n):  # context, and a captured step writes at each slot's length
                     self.cache.reset(s)
+            if self.cuda_graphs:
                 self._capture_graphs(graph_capture)
+            if self.compile == "on":
+                self._compile_decode()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             log.info("warm-up done in %.0f ms", (time.perf_counter() - t0) * 1000)
@@ -426,6 +443,26 @@ class EngineCore:
         except Exception as e:  # a capture that fails costs speed, never the server
             log.warning("CUDA graphs unavailable (%s: %s); decoding eagerly", type(e).__name__, e)
 
+    def _compile_decode(self) -> None:
+        """Compile the decode step of the small batch buckets on a CPU (engine.compiled_decode); keep it only if a
+        replay equals eager decoding."""
+        from engine.compiled_decode import CompileError, inductor_capture
+        from engine.cuda_graphs import GraphedDecode
+
+        t0 = time.perf_counter()
+        try:
+            compiled = GraphedDecode(self.model, self.cache, self.compile_max_batch, capture=inductor_capture)
+            compiled.capture_all()
+            if compiled.check(self.compile_max_batch, atol=1e-3):
+                self._compiled = compiled
+                log.info("decode steps up to %d rows compiled by inductor in %.1f s (%d batch x %d context buckets)",
+                         compiled.max_batch, time.perf_counter() - t0, len(compiled.buckets), len(compiled.contexts))
+            else:
+                log.warning("the compiled decode step differs from eager decoding; decoding eagerly")
+        except (CompileError, RuntimeError) as e:  # a compile that fails costs speed, never the server
+            log.warning("decode step not compiled (%s); decoding eagerly", e)
+        self.compile_seconds = round(time.perf_counter() - t0, 2)
+
     def stats(self) -> dict:
         s = self.scheduler
         return {"running": s.n_running, "queued": s.n_waiting, "max_batch_size": self.n_slots,
@@ -434,6 +471,7 @@ class EngineCore:
                 "prefix_cache": s.prefix is not None, "prefix_hit_tokens": s.hit_tokens,
                 "prefix_copied_tokens": self.copied_tokens,
                 "generated_tokens": self.generated_tokens, "cuda_graphs": self._graphed is not None,
+                "compiled_decode": self._compiled is not None,
                 "prepacked_layers": self.packed_layers, "weights": self.weights["format"],
                 "weight_bytes": self.weight_bytes, "kv_bytes": self.cache.nbytes(),
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."),

@@ -67,6 +67,8 @@ class CoreConfig:
     kv_cache_dtype: str = "auto"
     warmup: bool = True
     cuda_graphs: bool | None = None
+    compile: str = "off"
+    compile_max_batch: int = 1
     log_level: str = "info"
     speculative: str = "off"
     num_speculative_tokens: int = DEFAULT_K
@@ -258,7 +260,8 @@ def build_core(cfg: CoreConfig, loaded=None):
                           idle_prefill_chunk=cfg.idle_prefill_chunk, cuda_graphs=cfg.cuda_graphs,
                           prefix_cache=cfg.prefix_cache, min_prefix=cfg.prefix_cache_min_tokens,
                           prepack=cfg.prepack_weights, quantize=cfg.quantize, int4_group=cfg.int4_group_size,
-                          kv_dtype=kv_dtype, speculative=spec, draft_model=draft,
+                          kv_dtype=kv_dtype, speculative=spec, draft_model=draft, compile=cfg.compile,
+                          compile_max_batch=cfg.compile_max_batch,
                           tokenizer=ckpt.tokenizer)  # structured output compiles grammars against it
     except FormatError as e:
         raise StartupError(f"cannot serve {cfg.checkpoint} as {cfg.quantize} (--quantize) in "

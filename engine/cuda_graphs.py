@@ -84,6 +84,7 @@ class GraphedDecode:
             capture = CudaGraphCapture(cache.device)
         self.model, self.cache, self.capture = model, cache, capture
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
+        self.max_batch = max_batch
         self.contexts = context_buckets(cache.max_len, contexts)
         self.tokens = torch.zeros(max_batch, 1, dtype=torch.long, device=cache.device)
         self.replays: dict[tuple[int, int], Replay] = {}

@@ -100,6 +100,7 @@ def linear(x: torch.Tensor, layer: nn.Module, act: nn.Module | None = None) -> t
         return _act(layer(x), act)  # another swapped-in module (adapter, ...)
     w, b = layer.weight, layer.bias
     if (ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32
+            and not torch.compiler.is_compiling()  # inductor lowers F.linear itself (engine/compiled_decode.py)
             and w.dtype == torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         post = _post_op(act)
         if post is not None:

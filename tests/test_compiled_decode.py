@@ -1,0 +1,113 @@
+"""The decode step compiled by inductor on a CPU (engine/compiled_decode.py): compiled tokens = eager tokens, the
+compiled replay serves only the batches it was made for, and a compile that fails leaves the engine eager with one
+log line. The routing tests swap the compiler for an eager stand-in (fast); the real inductor compile is slow."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import engine.compiled_decode as cd
+import model.linear as L
+from engine.core import EngineCore
+from engine.cuda_graphs import eager_capture
+from engine.request import EngineRequest
+from engine.sampling import SamplingParams
+from tests.helpers import tiny_model
+
+REQUESTS = [(list(range(5, 17)), 0.0, None, 1), (list(range(9, 30)), 0.8, 0.9, 7), (list(range(3, 8)), 1.0, None, 3)]
+
+
+def make_core(compile: str, **kw) -> EngineCore:
+    core = EngineCore(tiny_model(0, vocab_size=96, block_size=64), n_slots=4, vocab_size=96, prepack=True,
+                      compile=compile, **kw)
+    core.warmup()
+    return core
+
+
+def run(core: EngineCore, together: bool) -> dict[str, list[int]]:
+    """The requests one at a time (batch 1 throughout), or all at once (batch 3)."""
+    out: dict[str, list[int]] = {}
+    for i, (prompt, t, top_p, seed) in enumerate(REQUESTS):
+        core.add(EngineRequest(str(i), prompt, SamplingParams(max_new_tokens=24, temperature=t, top_p=top_p or 1.0),
+                               seed=seed))
+        while not together and core.has_work():
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+    while core.has_work():
+        for o in core.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    return out
+
+
+def counting_capture(calls: list):
+    def capture(step):
+        replay = eager_capture(step)
+
+        def counted():
+            calls.append(1)
+            return replay()
+
+        return counted
+
+    return capture
+
+
+def test_the_compiled_step_serves_the_batches_it_was_made_for_and_eager_the_rest(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(cd, "inductor_capture", counting_capture(calls))
+    core = make_core("on", compile_max_batch=1)
+    assert core.stats()["compiled_decode"] and core.compile_seconds is not None
+    assert not any(isinstance(m, L.PackedLinear) for m in core.model.modules())  # plain weights for the graph
+    made = len(calls)
+    alone = run(core, together=False)
+    assert len(calls) - made == sum(len(v) - 1 for v in alone.values())  # every batch-1 decode step replayed
+    made = len(calls)
+    batched = run(core, together=True)
+    assert len(calls) == made  # three rows decoding together: above the compiled batch, eager
+    eager = run(make_core("off"), together=False)
+    assert alone == eager and batched == eager  # seeded and greedy requests: the same tokens alone or batched
+
+
+def test_a_compile_that_fails_leaves_the_engine_eager_with_one_log_line(monkeypatch, caplog):
+    def fail(step):
+        raise cd.CompileError("InductorError: no C++ compiler")
+
+    monkeypatch.setattr(cd, "inductor_capture", fail)
+    with caplog.at_level(logging.WARNING, logger="engine.core"):
+        core = make_core("on")
+    assert not core.stats()["compiled_decode"] and core.warmup_error is None
+    lines = [r.getMessage() for r in caplog.records if "not compiled" in r.getMessage()]
+    assert lines == ["decode step not compiled (InductorError: no C++ compiler); decoding eagerly"]
+    assert run(core, together=False) == run(make_core("off"), together=False)
+
+
+def test_a_compiled_step_that_differs_from_eager_is_dropped(monkeypatch, caplog):
+    def wrong(step):
+        step()
+        return lambda: step() + 1.0
+
+    monkeypatch.setattr(cd, "inductor_capture", wrong)
+    with caplog.at_level(logging.WARNING, logger="engine.core"):
+        core = make_core("on")
+    assert not core.stats()["compiled_decode"]
+    assert any("differs from eager" in r.getMessage() for r in caplog.records)
+
+
+def test_quantized_weights_and_bad_modes_are_not_compiled():
+    core = make_core("on", quantize="int8")
+    assert core.compile == "off" and not core.stats()["compiled_decode"]
+    with pytest.raises(ValueError, match="compile must be one of off, on"):
+        EngineCore(tiny_model(0, vocab_size=96, block_size=64), n_slots=2, vocab_size=96, compile="maybe")
+
+
+@pytest.mark.slow  # a real inductor compile (max_autotune): ~15-60 s on 2 CPU cores
+def test_inductor_compiled_tokens_equal_eager_tokens():
+    core = make_core("on", compile_max_batch=2)
+    assert core.stats()["compiled_decode"]
+    eager = run(make_core("off"), together=False)
+    assert run(core, together=False) == eager
+    assert run(core, together=True) == eager
+    torch.compiler.reset()

@@ -1,13 +1,15 @@
 """Weight formats side by side, in-process: speed, memory and quality of what `GPT_QUANTIZE` / `GPT_DTYPE` serve.
 
     python -m bench.formats [--formats fp32,bf16,int8,int4] [--batches 1,16,64] [--rounds 3] [--out formats]
+    python -m bench.formats --checkpoint checkpoints/shakespeare --formats fp32,bf16,fp16,int8,int4 --batches 1,16
     python -m bench.formats --formats fp32,fp32+kv-bf16,int8,int8+kv-bf16 --prompt-tokens 300 --no-quality
 
 Speed: the engine core built as the server builds it (`engine.core_process.build_core`: prepacked / quantized
-weights, the warm-up, 32 slots) on the random GPT-2 124M of bench/common.py; per format, the median time of a
-decode step at each batch (every slot decoding greedily, `--new-tokens` steps after the prompts) and of a
-512-token prefill. Formats are interleaved round by round (a loaded machine hits all alike) and each round runs in
-a fresh process, so the allocator and the kernels' caches start equal. Memory: the weights' bytes as served
+weights, the warm-up, 32 slots) on the random GPT-2 124M of bench/common.py (or `--checkpoint`); per format, the
+median time of a decode step at each batch (every slot decoding greedily, `--new-tokens` steps after the prompts)
+and of a 512-token prefill (the context less one where shorter). Formats are interleaved round by round (a loaded
+machine hits all alike) and each round runs in a fresh process, so the allocator and the kernels' caches start
+equal. Memory: the weights' bytes as served
 (`model.linear.weight_bytes`). Quality: bits per byte of the bundled model (checkpoints/shakespeare) on the held-out
 last 10% of tinyshakespeare (`training.evaluate` with the format), the same text llama.cpp's formats are scored on
 in bench/quality.py. Writes bench/results/<out>.json.
@@ -25,7 +27,9 @@ from typing import Any
 
 from bench.common import REPO, env_info, median, random_gpt2, write_result
 
-FORMATS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "int8": ("fp32", "int8"), "int4": ("fp32", "int4")}
+FORMATS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "fp16": ("fp16", "none"), "int8": ("fp32", "int8"),
+           "int4": ("fp32", "int4")}
+DEFAULT_FORMATS = ("fp32", "bf16", "int8", "int4")
 # the KV cache in bf16 beside a format's weights (GPT_KV_CACHE_DTYPE=bf16): speed only (evaluate reads no cache)
 KV_VARIANTS = {f"{name}+kv-bf16": fmt for name, fmt in FORMATS.items() if name != "bf16"}
 SHAKESPEARE = Path(REPO).parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -33,7 +37,7 @@ VAL_BYTES = 111540  # the last 10% of tinyshakespeare: the bundled model's held-
 
 
 def one_round(fmt: str, batches: list[int], new_tokens: int, threads: int | None,
-              prompt_tokens: int = 32) -> dict[str, Any]:
+              prompt_tokens: int = 32, checkpoint: str | None = None) -> dict[str, Any]:
     """In this process: build the core for `fmt`, time decode steps (after `prompt_tokens`-token prompts) and a
     long prefill."""
     import torch
@@ -43,7 +47,7 @@ def one_round(fmt: str, batches: list[int], new_tokens: int, threads: int | None
     from engine.sampling import SamplingParams
 
     dtype, quantize = FORMATS.get(fmt) or KV_VARIANTS[fmt]
-    _, ck = random_gpt2()
+    ck = checkpoint or random_gpt2()[1]
     cfg = CoreConfig(checkpoint=str(ck), device="cpu", dtype=dtype, quantize=quantize, max_batch_size=max(batches),
                      torch_threads=threads, prefix_cache=False,
                      kv_cache_dtype="bf16" if fmt in KV_VARIANTS else "auto")
@@ -57,7 +61,7 @@ def one_round(fmt: str, batches: list[int], new_tokens: int, threads: int | None
         budget = core.max_len - prompt_tokens
         ids = [f"{b}-{i}" for i in range(b)]
         for i, rid in enumerate(ids):
-            prompt = torch.randint(0, 50257, (prompt_tokens,), generator=g).tolist()
+            prompt = torch.randint(0, core.vocab_size - 1, (prompt_tokens,), generator=g).tolist()
             core.add(EngineRequest(rid, prompt, SamplingParams(max_new_tokens=budget, temperature=0), seed=i))
         times = []
         while core.has_work() and len(times) < new_tokens:
@@ -72,7 +76,7 @@ def one_round(fmt: str, batches: list[int], new_tokens: int, threads: int | None
         if not times:
             raise SystemExit(f"no decode step ran all {b} rows: shorten --prompt-tokens ({prompt_tokens})")
         out["decode_ms"][str(b)] = round(1000 * median(times[2:] or times), 2)
-    prompt = torch.randint(0, 50257, (512,), generator=g).tolist()
+    prompt = torch.randint(0, core.vocab_size - 1, (min(512, core.max_len - 1),), generator=g).tolist()
     ttft = []
     for i in range(3):
         core.add(EngineRequest(f"long-{i}", prompt[i:] + prompt[:i], SamplingParams(max_new_tokens=1), seed=0))
@@ -81,6 +85,7 @@ def one_round(fmt: str, batches: list[int], new_tokens: int, threads: int | None
             core.step()
         ttft.append(time.perf_counter() - t0)
     out["prefill512_ms"] = round(1000 * median(ttft), 1)
+    out["prefill_tokens"] = len(prompt)  # 512, or the checkpoint's context less one
     return out
 
 
@@ -102,7 +107,8 @@ def quality(fmt: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.formats", description=__doc__.split("\n\n")[0])
-    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--formats", default=",".join(DEFAULT_FORMATS))
+    p.add_argument("--checkpoint", default=None, help="a checkpoint to time instead of the random GPT-2 124M")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--prompt-tokens", type=int, default=32, help="each decoding row's prompt")
@@ -114,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     if args.one_round:
-        print(json.dumps(one_round(args.one_round, batches, args.new_tokens, args.threads, args.prompt_tokens)))
+        print(json.dumps(one_round(args.one_round, batches, args.new_tokens, args.threads, args.prompt_tokens,
+                                   args.checkpoint)))
         return 0
     fmts = args.formats.split(",")
     if unknown := [f for f in fmts if f not in FORMATS and f not in KV_VARIANTS]:
@@ -122,13 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_tokens < 1 or args.prompt_tokens + args.new_tokens >= 1024:  # GPT-2's context
         p.error(f"--prompt-tokens ({args.prompt_tokens}) must be >= 1 and leave room for --new-tokens "
                 f"({args.new_tokens}) in GPT-2's 1,024-token context")
-    random_gpt2()  # built once, before any timing
+    if args.checkpoint is None:
+        random_gpt2()  # built once, before any timing
     rounds: dict[str, list] = {f: [] for f in fmts}
     for r in range(args.rounds):
         for f in (fmts if r % 2 == 0 else fmts[::-1]):
             cmd = [sys.executable, "-m", "bench.formats", "--one-round", f, "--batches", args.batches,
                    "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
             cmd += ["--threads", str(args.threads)] if args.threads else []
+            cmd += ["--checkpoint", args.checkpoint] if args.checkpoint else []
             res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
             if res.returncode != 0:  # its last line says why (e.g. no decode step ran every row)
                 last = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -153,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
             if "quality" in r:
                 q0 = base["quality"]["bits_per_byte"]
                 r["quality"]["delta_vs_fp32_pct"] = round(100 * (r["quality"]["bits_per_byte"] - q0) / q0, 4)
-    data = {"env": env_info(), "model": "random GPT-2 124M (speed); checkpoints/shakespeare (quality)",
+    from model.cpu_support import support
+
+    data = {"env": env_info(), "cpu": support().describe(),
+            "model": f"{args.checkpoint or 'random GPT-2 124M'} (speed); checkpoints/shakespeare (quality)",
             "batches": batches, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
             "rounds": args.rounds, "formats": results}
     print(json.dumps({f: {k: v for k, v in r.items() if k != "rounds"} for f, r in results.items()}, indent=1))

@@ -1,24 +1,35 @@
 """Decode steps compiled by inductor on a CPU: the small-batch step without PyTorch's per-op cost.
 
-The CPU counterpart of engine/cuda_graphs.py, and the same machinery: `GraphedDecode` holds the static buffers
-and one replay per (batch, context) bucket of `GPT.decode_static`; here a bucket's "capture" is
-`torch.compile(..., fullgraph=True, dynamic=False)` with inductor's CPU options (as SGLang's
-`cpu_graph_runner.py` compiles a step per batch size). `max_autotune` with inductor's C++ GEMM templates is what
-pays: one-row matmuls from generated micro-kernels instead of MKL / oneDNN calls (docs/performance.md, "A compiled
-decode step"); without it the compiled step was no faster than eager.
+The CPU counterpart of engine/cuda_graphs.py: one compiled `GPT.decode_static` per (batch, context) bucket, as
+SGLang's `cpu_graph_runner.py` compiles a step per batch size, with inductor's CPU options. `max_autotune` with
+inductor's C++ GEMM templates is what pays: one-row matmuls from generated micro-kernels instead of MKL / oneDNN
+calls (docs/performance.md, "A compiled decode step"); without it the compiled step was no faster than eager.
 
-Only batches up to `max_batch` are compiled (each bucket costs a compile at start-up; batch 1 is where a token's
-fixed cost shows, larger batches are matmul-bound and stay eager), and the graph reads the model's plain weights:
-oneDNN's packed copies (`model.linear.PackedLinear`) are opaque to dynamo, so a server that compiles keeps the
-plain nn.Linear layers (`EngineCore(compile=...)` skips the prepack; inductor's freezing packs its own constants).
-A compile that fails, or a replay that differs from eager decoding, leaves the engine eager with one log line.
-Compiled kernels are cached on disk by inductor (`TORCHINDUCTOR_CACHE_DIR`), so a restart on the same machine
-skips the autotuning.
+- Only batches up to `max_batch` are compiled: batch 1 is where a token's fixed cost shows; larger batches are
+  matmul-bound and stay eager (each bucket costs a compile).
+- The graph reads the model's plain weights: oneDNN's packed copies (`model.linear.PackedLinear`) are opaque to
+  dynamo, so an engine that compiles keeps the plain nn.Linear layers (inductor's freezing packs its own).
+- The step takes the cache's tensors as arguments (views of the first `b` slots), so it is compiled against
+  scratch tensors of the same shapes **in a background thread** while the engine serves eagerly; the engine swaps
+  it in at a step boundary once a replay equals the eager step on the live cache (`EngineCore._install_compiled`).
+  Start-up does not wait for the compiler. Guards are not evaluated on replay: the arguments are the same views
+  every time (vLLM skips them on its compiled CPU path too).
+- A compile that fails, or a replay that differs from eager decoding, leaves the engine eager with one log line.
+  Compiled kernels are cached on disk by inductor (`TORCHINDUCTOR_CACHE_DIR`): a restart on the same machine skips
+  the autotuning (~20-60 s cold, ~10 s warm for the bundled model on 2 CPU cores).
 """
 
 from __future__ import annotations
 
-from engine.cuda_graphs import Replay
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.cuda_graphs import BUCKETS, CONTEXT_BUCKETS, context_buckets
+from model.gpt import GPT
+from model.kv_cache import ContextLengthError, KVCache
 
 MODES = ("off", "on")
 # inductor's options for the CPU step (torch/_inductor/config.py): weights as constants (freezing: packed once),
@@ -31,23 +42,131 @@ class CompileError(RuntimeError):
     """The step could not be compiled here (no C++ compiler, an op inductor cannot lower, ...)."""
 
 
-def inductor_capture(step: Replay) -> Replay:
-    """Compile `step` (a function of nothing over static buffers) and run it twice, as the CUDA capture's warm-up
-    does: the first call compiles, the second checks that no guard fails and recompiles."""
-    import torch._inductor.config
+@dataclass
+class _SlotsView:
+    """What `GPT.decode_static` reads of a KVCache, for the first `b` slots: the cache's own tensors (views) at
+    replay, scratch tensors of the same shapes while compiling."""
 
-    compiled = torch.compile(step, fullgraph=True, dynamic=False)
-    try:
-        with torch._inductor.config.patch(CPU_OPTIONS):  # freezing is read outside torch.compile's options
-            compiled()
-            compiled()
-    except Exception as e:  # noqa: BLE001 - dynamo / inductor raise many kinds; the caller decodes eagerly
-        raise CompileError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    lengths_t: torch.Tensor
+    _arange: torch.Tensor
+    max_len: int
 
-    def replay() -> torch.Tensor:
-        # the step reads the same buffers with the same shapes every time (GraphedDecode's static buffers), so its
-        # guards cannot fail: evaluating them cost ~0.2 ms a token (vLLM drops them on its compiled CPU path too)
+    plan_static = KVCache.plan_static
+
+
+def _decode(model: GPT, tokens: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], lengths_t: torch.Tensor,
+            arange: torch.Tensor, max_len: int, kv_len: int) -> torch.Tensor:
+    return model.decode_static(tokens, _SlotsView(k, v, lengths_t, arange, max_len), kv_len)
+
+
+def _like(t: torch.Tensor, copy: bool = False) -> torch.Tensor:
+    """A scratch tensor the compiled step's guards take for `t`: same shape, dtype and strides, and an inference
+    tensor exactly where `t` is one (the guards check the dispatch keys)."""
+    with torch.inference_mode(t.is_inference()):
+        return t.clone() if copy else torch.zeros_like(t)
+
+
+class CompiledDecode:
+    """Compiled decode steps for batches up to `max_batch` over `cache`, made by `start()` in a thread."""
+
+    def __init__(self, model: GPT, cache: KVCache, max_batch: int, contexts=CONTEXT_BUCKETS) -> None:
+        self.model, self.cache, self.max_batch = model, cache, max_batch
+        self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
+        self.contexts = context_buckets(cache.max_len, contexts)
+        self.tokens = torch.zeros(max_batch, 1, dtype=torch.long, device=cache.device)
+        self.steps: dict[tuple[int, int], object] = {}
+        self.error: str | None = None
+        self.seconds: float | None = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ compiling
+    def start(self) -> None:
+        """Compile every bucket in a daemon thread; `done` tells when, `error` what failed."""
+        self._thread = threading.Thread(target=self._compile_all, name="compile-decode", daemon=True)
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def _compile_all(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.compile_all()
+        except Exception as e:  # noqa: BLE001 - dynamo / inductor raise many kinds; the engine stays eager
+            self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.steps.clear()
+        finally:
+            self.seconds = round(time.perf_counter() - t0, 2)
+            self._done.set()
+
+    def compile_all(self) -> None:
+        """Compile each (batch, context) bucket against scratch tensors shaped like the cache (the live cache is
+        never written from here). They are made outside inference mode, as the cache is: the
+        compiled step's guards would not match an inference tensor where the cache is a normal one."""
+        import torch._inductor.config
+
+        c = self.cache
+        # as large as the cache's own tensors (dynamo guards on a view's base too), but only the pages of the first
+        # slots are ever touched: calloc'd memory is committed as written, so the scratch costs little
+        scratch_k = [_like(t) for t in c.k]
+        scratch_v = [_like(t) for t in c.v]
+        lengths, tokens, arange = _like(c.lengths_t), _like(self.tokens), _like(c._arange, copy=True)
+        with torch._inductor.config.patch(CPU_OPTIONS), torch.inference_mode():  # freezing: read outside the options
+            for b in self.buckets:
+                for ctx in self.contexts:
+                    fn = torch.compile(_decode, fullgraph=True, dynamic=False)
+                    args = (self.model, tokens[:b], [t[:b] for t in scratch_k], [t[:b] for t in scratch_v],
+                            lengths[:b], arange, c.max_len, ctx)
+                    fn(*args)
+                    fn(*args)  # a second call: no guard fails, nothing recompiles
+                    self.steps[b, ctx] = fn
+
+    # ------------------------------------------------------------------ replaying
+    def _args(self, b: int, ctx: int) -> tuple:
+        c = self.cache
+        return (self.model, self.tokens[:b], [t[:b] for t in c.k], [t[:b] for t in c.v], c.lengths_t[:b], c._arange,
+                c.max_len, ctx)
+
+    def key(self, n: int) -> tuple[int, int]:
+        longest = max(self.cache.lengths[:n])
+        if longest >= self.cache.max_len:
+            raise ContextLengthError(f"a decode step at position {longest} does not fit the cache's context length "
+                                     f"{self.cache.max_len}")
+        return next(b for b in self.buckets if b >= n), next(c for c in self.contexts if c >= longest + 1)
+
+    def replay(self, n: int) -> torch.Tensor:
+        """Logits of the compiled step over slots 0..n-1 (self.tokens[:n] already written); the cache not advanced."""
+        b, ctx = self.key(n)
+        # the arguments are the same views with the same shapes every time: the guards cannot fail
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            return compiled()
+            return self.steps[b, ctx](*self._args(b, ctx))[:n]
 
-    return replay
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor, n: int) -> torch.Tensor:
+        """Next-token logits (n, vocab) for slots 0..n-1 fed `tokens` (n,); advances the cache."""
+        self.tokens[:n, 0].copy_(tokens)
+        out = self.replay(n)
+        self.cache.advance(range(n), 1)
+        return out
+
+    @torch.inference_mode()
+    def check(self, atol: float = 1e-3) -> bool:
+        """Each compiled bucket equals the eager step on the live cache (written at each row's next position, which
+        the row's next step overwrites, as a CUDA graph's padding rows do; the cache is not advanced)."""
+        for (b, ctx), fn in self.steps.items():
+            args = self._args(b, ctx)
+            eager = _decode(*args).float()
+            # guards evaluated this once: the live views must pass the guards the scratch tensors set, or the
+            # replay (which skips them) would run a graph made for other tensors; a recompile here is an error
+            with torch.compiler.set_stance("fail_on_recompile"):
+                got = fn(*args).float()
+            if not torch.allclose(got, eager, atol=atol, rtol=1e-2):
+                return False
+        return bool(self.steps)

@@ -89,7 +89,8 @@ class EngineCore:
         # opaque to dynamo, and inductor packs its own; quantized weights (fbgemm's packed int8) stay eager
         self.compile = compile if self.device.type == "cpu" and quantize == "none" else "off"
         self.compile_max_batch = min(compile_max_batch, n_slots)
-        self._compiled = None
+        self._compiled = None  # the compiled decode steps in use (engine.compiled_decode), once checked
+        self._compiling = None  # ... while their compile runs in the background
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
         if self.compile == "on":
@@ -193,6 +194,8 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        if self._compiling is not None and self._compiling.done:  # the background compile has finished
+            self._install_compiled()
         step = self.scheduler.schedule(time.monotonic())
         try:
             draws = self._execute(step)
@@ -444,24 +447,38 @@ class EngineCore:
             log.warning("CUDA graphs unavailable (%s: %s); decoding eagerly", type(e).__name__, e)
 
     def _compile_decode(self) -> None:
-        """Compile the decode step of the small batch buckets on a CPU (engine.compiled_decode); keep it only if a
-        replay equals eager decoding."""
-        from engine.compiled_decode import CompileError, inductor_capture
-        from engine.cuda_graphs import GraphedDecode
+        """Start compiling the decode step of the small batch buckets on a CPU (engine.compiled_decode), in a
+        background thread: the engine serves eagerly meanwhile and swaps the steps in at a step boundary."""
+        from engine.compiled_decode import CompiledDecode
 
-        t0 = time.perf_counter()
+        self._compiling = CompiledDecode(self.model, self.cache, self.compile_max_batch)
+        self._compiling.start()
+        log.info("compiling the decode step (batches up to %d) in the background; decoding eagerly meanwhile",
+                 self.compile_max_batch)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the background compile and install its steps (tests, benchmarks); True when they are in use."""
+        if self._compiling is not None and self._compiling.wait(timeout):
+            self._install_compiled()
+        return self._compiled is not None
+
+    def _install_compiled(self) -> None:
+        """Use the compiled steps if their replay equals the eager step on the live cache; else one log line."""
+        compiled, self._compiling = self._compiling, None
+        self.compile_seconds = compiled.seconds
         try:
-            compiled = GraphedDecode(self.model, self.cache, self.compile_max_batch, capture=inductor_capture)
-            compiled.capture_all()
-            if compiled.check(self.compile_max_batch, atol=1e-3):
-                self._compiled = compiled
-                log.info("decode steps up to %d rows compiled by inductor in %.1f s (%d batch x %d context buckets)",
-                         compiled.max_batch, time.perf_counter() - t0, len(compiled.buckets), len(compiled.contexts))
-            else:
-                log.warning("the compiled decode step differs from eager decoding; decoding eagerly")
-        except (CompileError, RuntimeError) as e:  # a compile that fails costs speed, never the server
-            log.warning("decode step not compiled (%s); decoding eagerly", e)
-        self.compile_seconds = round(time.perf_counter() - t0, 2)
+            same = compiled.error is None and compiled.check()
+        except Exception as e:  # noqa: BLE001 - a failing check costs speed, never the engine
+            compiled.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            same = False
+        if compiled.error is not None:
+            log.warning("decode step not compiled (%s); decoding eagerly", compiled.error)
+        elif not same:
+            log.warning("the compiled decode step differs from eager decoding; decoding eagerly")
+        else:
+            self._compiled = compiled
+            log.info("decode steps up to %d rows compiled by inductor in %.1f s (%d batch x %d context buckets)",
+                     compiled.max_batch, compiled.seconds, len(compiled.buckets), len(compiled.contexts))
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -471,7 +488,7 @@ class EngineCore:
                 "prefix_cache": s.prefix is not None, "prefix_hit_tokens": s.hit_tokens,
                 "prefix_copied_tokens": self.copied_tokens,
                 "generated_tokens": self.generated_tokens, "cuda_graphs": self._graphed is not None,
-                "compiled_decode": self._compiled is not None,
+                "compiled_decode": self._compiled is not None, "compiling": self._compiling is not None,
                 "prepacked_layers": self.packed_layers, "weights": self.weights["format"],
                 "weight_bytes": self.weight_bytes, "kv_bytes": self.cache.nbytes(),
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."),

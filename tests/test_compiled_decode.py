@@ -1,10 +1,12 @@
 """The decode step compiled by inductor on a CPU (engine/compiled_decode.py): compiled tokens = eager tokens, the
-compiled replay serves only the batches it was made for, and a compile that fails leaves the engine eager with one
-log line. The routing tests swap the compiler for an eager stand-in (fast); the real inductor compile is slow."""
+compiled replay serves only the batches it was made for, the engine serves while it compiles, and a compile that
+fails leaves the engine eager with one log line. The routing tests swap the compiler for an eager stand-in (fast);
+the real inductor compile is slow."""
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -12,7 +14,6 @@ import torch
 import engine.compiled_decode as cd
 import model.linear as L
 from engine.core import EngineCore
-from engine.cuda_graphs import eager_capture
 from engine.request import EngineRequest
 from engine.sampling import SamplingParams
 from tests.helpers import tiny_model
@@ -20,10 +21,12 @@ from tests.helpers import tiny_model
 REQUESTS = [(list(range(5, 17)), 0.0, None, 1), (list(range(9, 30)), 0.8, 0.9, 7), (list(range(3, 8)), 1.0, None, 3)]
 
 
-def make_core(compile: str, **kw) -> EngineCore:
+def make_core(compile: str, wait: bool = True, **kw) -> EngineCore:
     core = EngineCore(tiny_model(0, vocab_size=96, block_size=64), n_slots=4, vocab_size=96, prepack=True,
                       compile=compile, **kw)
     core.warmup()
+    if wait:
+        core.wait_compiled(600)
     return core
 
 
@@ -42,22 +45,25 @@ def run(core: EngineCore, together: bool) -> dict[str, list[int]]:
     return out
 
 
-def counting_capture(calls: list):
-    def capture(step):
-        replay = eager_capture(step)
+def stand_in_compiler(calls: list, shift: float = 0.0, error: Exception | None = None):
+    """CompiledDecode.compile_all without inductor: each bucket's step is the eager function, counted (and shifted
+    by `shift`, or raising `error`, to stand for a wrong or failing compile)."""
+    def compile_all(self):
+        if error is not None:
+            raise error
+        for b in self.buckets:
+            for ctx in self.contexts:
+                def step(*args):
+                    calls.append(args[1].size(0))
+                    return cd._decode(*args) + shift
+                self.steps[b, ctx] = step
 
-        def counted():
-            calls.append(1)
-            return replay()
-
-        return counted
-
-    return capture
+    return compile_all
 
 
 def test_the_compiled_step_serves_the_batches_it_was_made_for_and_eager_the_rest(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(cd, "inductor_capture", counting_capture(calls))
+    monkeypatch.setattr(cd.CompiledDecode, "compile_all", stand_in_compiler(calls))
     core = make_core("on", compile_max_batch=1)
     assert core.stats()["compiled_decode"] and core.compile_seconds is not None
     assert not any(isinstance(m, L.PackedLinear) for m in core.model.modules())  # plain weights for the graph
@@ -71,25 +77,38 @@ def test_the_compiled_step_serves_the_batches_it_was_made_for_and_eager_the_rest
     assert alone == eager and batched == eager  # seeded and greedy requests: the same tokens alone or batched
 
 
-def test_a_compile_that_fails_leaves_the_engine_eager_with_one_log_line(monkeypatch, caplog):
-    def fail(step):
-        raise cd.CompileError("InductorError: no C++ compiler")
+def test_the_engine_serves_while_the_step_compiles_and_swaps_it_in_between_steps(monkeypatch):
+    calls: list = []
+    release = threading.Event()
+    inner = stand_in_compiler(calls)
 
-    monkeypatch.setattr(cd, "inductor_capture", fail)
+    def slow_compile(self):
+        release.wait(30)
+        inner(self)
+
+    monkeypatch.setattr(cd.CompiledDecode, "compile_all", slow_compile)
+    core = make_core("on", wait=False)
+    assert core.stats()["compiling"] and not core.stats()["compiled_decode"]
+    first = run(core, together=False)  # served eagerly while the compiler runs
+    assert calls == []
+    release.set()
+    assert core.wait_compiled(30)
+    assert run(core, together=False) == first and calls
+
+
+def test_a_compile_that_fails_leaves_the_engine_eager_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.setattr(cd.CompiledDecode, "compile_all",
+                        stand_in_compiler([], error=RuntimeError("InductorError: no C++ compiler")))
     with caplog.at_level(logging.WARNING, logger="engine.core"):
         core = make_core("on")
     assert not core.stats()["compiled_decode"] and core.warmup_error is None
     lines = [r.getMessage() for r in caplog.records if "not compiled" in r.getMessage()]
-    assert lines == ["decode step not compiled (InductorError: no C++ compiler); decoding eagerly"]
+    assert lines == ["decode step not compiled (RuntimeError: InductorError: no C++ compiler); decoding eagerly"]
     assert run(core, together=False) == run(make_core("off"), together=False)
 
 
 def test_a_compiled_step_that_differs_from_eager_is_dropped(monkeypatch, caplog):
-    def wrong(step):
-        step()
-        return lambda: step() + 1.0
-
-    monkeypatch.setattr(cd, "inductor_capture", wrong)
+    monkeypatch.setattr(cd.CompiledDecode, "compile_all", stand_in_compiler([], shift=1.0))
     with caplog.at_level(logging.WARNING, logger="engine.core"):
         core = make_core("on")
     assert not core.stats()["compiled_decode"]

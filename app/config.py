@@ -98,11 +98,12 @@ class Settings(BaseSettings):
                                                         "process (vLLM's --api-server-count)")
     cuda_graphs: bool | None = Field(None, description="decode from CUDA graphs captured at warm-up (default: on "
                                                        "with CUDA; kept only if a replay equals eager decoding)")
-    compile: Literal["off", "on"] = Field("off", description="CPU, unquantized weights: decode steps of up to "
-                                          "compile_max_batch rows compiled by inductor at warm-up (C++ GEMM "
-                                          "micro-kernels; kept only if they equal eager decoding; the plain weights "
-                                          "are served, not oneDNN's packed copies; costs start-up time, cached on "
-                                          "disk by inductor)")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="CPU, unquantized weights: decode steps of up to compile_max_batch rows compiled by "
+                            "inductor in the background after start-up (C++ GEMM micro-kernels; swapped in once "
+                            "they equal eager decoding; the plain weights are served, not oneDNN's packed copies); "
+                            "auto: on for fp32 models of at most 16M block parameters, where a token's cost is "
+                            "per-op overhead (the bundled model), off for larger ones")
     compile_max_batch: int = Field(1, ge=1, le=64, description="the largest decode batch compiled (--compile on)")
     chat_template: Path | None = Field(None, description="a Jinja chat template file for /v1/chat/completions "
                                        "(default: the checkpoint's chat_template.jinja or tokenizer_config.json, "

@@ -8,7 +8,9 @@ calls (docs/performance.md, "A compiled decode step"); without it the compiled s
 - Only batches up to `max_batch` are compiled: batch 1 is where a token's fixed cost shows; larger batches are
   matmul-bound and stay eager (each bucket costs a compile).
 - The graph reads the model's plain weights: oneDNN's packed copies (`model.linear.PackedLinear`) are opaque to
-  dynamo, so an engine that compiles keeps the plain nn.Linear layers (inductor's freezing packs its own).
+  dynamo, so an engine that compiles has its packed layers keep their plain weight too (`convert(keep_plain=True)`;
+  eager steps keep oneDNN's kernels) and inductor's freezing makes its own constants from it: about three copies
+  of the weights, which is why `auto` compiles only small models.
 - The step takes the cache's tensors as arguments (views of the first `b` slots), so it is compiled against
   scratch tensors of the same shapes **in a background thread** while the engine serves eagerly; the engine swaps
   it in at a step boundary once a replay equals the eager step on the live cache (`EngineCore._install_compiled`).
@@ -31,7 +33,11 @@ from engine.cuda_graphs import BUCKETS, CONTEXT_BUCKETS, context_buckets
 from model.gpt import GPT
 from model.kv_cache import ContextLengthError, KVCache
 
-MODES = ("off", "on")
+MODES = ("off", "on", "auto")
+# auto compiles a model whose blocks hold at most this many parameters: there a token's cost is PyTorch's per-op
+# overhead, which the compiled step removes (the bundled model's 3.2M: batch 1 2.3x faster in-process); GPT-2
+# 124M's 85M are bandwidth-bound (no gain measured, +2.5 GB of frozen constants): docs/performance.md
+AUTO_MAX_BLOCK_PARAMS = 16_000_000
 # inductor's options for the CPU step (torch/_inductor/config.py): weights as constants (freezing: packed once),
 # max_autotune choosing between aten's GEMM and inductor's C++ micro-kernel per shape
 CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
@@ -61,6 +67,19 @@ def _decode(model: GPT, tokens: torch.Tensor, k: list[torch.Tensor], v: list[tor
     return model.decode_static(tokens, _SlotsView(k, v, lengths_t, arange, max_len), kv_len)
 
 
+def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype, quantize: str) -> str:
+    """on / off for this model: only a CPU's unquantized decode step is compiled (fbgemm's packed int8 is opaque to
+    dynamo; CUDA has its graphs); auto also needs fp32 and a small model (AUTO_MAX_BLOCK_PARAMS)."""
+    if mode not in MODES:
+        raise ValueError(f"compile must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "off" or device.type != "cpu" or quantize != "none":
+        return "off"
+    if mode == "auto":
+        block_params = sum(p.numel() for p in model.transformer.h.parameters())
+        return "on" if dtype == torch.float32 and block_params <= AUTO_MAX_BLOCK_PARAMS else "off"
+    return "on"
+
+
 def _like(t: torch.Tensor, copy: bool = False) -> torch.Tensor:
     """A scratch tensor the compiled step's guards take for `t`: same shape, dtype and strides, and an inference
     tensor exactly where `t` is one (the guards check the dispatch keys)."""
@@ -81,10 +100,12 @@ class CompiledDecode:
         self.seconds: float | None = None
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+        self._threads = torch.get_num_threads()
 
     # ------------------------------------------------------------------ compiling
     def start(self) -> None:
         """Compile every bucket in a daemon thread; `done` tells when, `error` what failed."""
+        self._threads = torch.get_num_threads()  # the engine's: inductor sizes its kernels' parallelism by it
         self._thread = threading.Thread(target=self._compile_all, name="compile-decode", daemon=True)
         self._thread.start()
 
@@ -97,6 +118,7 @@ class CompiledDecode:
 
     def _compile_all(self) -> None:
         t0 = time.perf_counter()
+        torch.set_num_threads(self._threads)  # a new thread starts with every core
         try:
             self.compile_all()
         except Exception as e:  # noqa: BLE001 - dynamo / inductor raise many kinds; the engine stays eager

@@ -41,7 +41,7 @@ import time
 import torch
 
 from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
-from engine.compiled_decode import MODES as COMPILE_MODES
+from engine.compiled_decode import resolve_mode as resolve_compile
 from engine.prompt_logprobs import PROMPT_LOGPROBS_PIECE, PromptScorer
 from engine.request import EngineRequest, ErrorKind, RequestOutput, check_context
 from engine.sampling import Sampler, SamplingParams, bad_token
@@ -85,18 +85,14 @@ class EngineCore:
         # a caller's model as it is. The one-row kernel choice is timed here, at start-up, never on a request
         self.weights = {"format": "none", "swapped": 0}
         self.kernels: dict = {}
-        # a compiled CPU decode step (engine.compiled_decode) reads plain weights: oneDNN's packed copies are
-        # opaque to dynamo, and inductor packs its own; quantized weights (fbgemm's packed int8) stay eager
-        self.compile = compile if self.device.type == "cpu" and quantize == "none" else "off"
+        # a compiled CPU decode step (engine.compiled_decode); quantized weights (fbgemm's packed int8) stay eager
+        self.compile = resolve_compile(compile, model, self.device, self.dtype, quantize)
         self.compile_max_batch = min(compile_max_batch, n_slots)
         self._compiled = None  # the compiled decode steps in use (engine.compiled_decode), once checked
         self._compiling = None  # ... while their compile runs in the background
-        if compile not in COMPILE_MODES:
-            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
-        if self.compile == "on":
-            prepack = False
         if quantize != "none" or (prepack and self.device.type == "cpu"):
-            self.weights = convert(model, quantize, int4_group)
+            # compiling: the packed layers keep their plain weight too, for the graph (eager keeps its kernels)
+            self.weights = convert(model, quantize, int4_group, keep_plain=self.compile == "on")
             if self.device.type == "cpu":
                 self.kernels = tune(model)
         self.packed_layers = self.weights["swapped"] if self.weights["format"] == "none" else 0

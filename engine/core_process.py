@@ -67,7 +67,7 @@ class CoreConfig:
     kv_cache_dtype: str = "auto"
     warmup: bool = True
     cuda_graphs: bool | None = None
-    compile: str = "off"
+    compile: str = "auto"
     compile_max_batch: int = 1
     log_level: str = "info"
     speculative: str = "off"

@@ -131,12 +131,15 @@ class PackedLinear(_Served):
     """fp32 / bf16 on a CPU: oneDNN's blocked copy of the weight, the only one kept. At one row, MKL's GEMV on a
     column-major copy where `tune` measured it faster for this shape (that copy exists only then)."""
 
-    def __init__(self, layer: nn.Linear) -> None:
+    def __init__(self, layer: nn.Linear, keep_plain: bool = False) -> None:
         super().__init__()
         w = layer.weight.detach()
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.dtype = w.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        # keep_plain: the plain weight too, for a compiled graph (engine/compiled_decode.py): dynamo cannot read the
+        # opaque packed tensor, and inductor packs its own constants from this buffer
+        self.register_buffer("weight", w.clone() if keep_plain else None, persistent=False)
         self.bias = None if layer.bias is None else layer.bias.detach().clone()
         self.column_major: torch.Tensor | None = None  # MKL's one-row copy, only where tune() kept it
         self.one_row_as_two = False  # tune(): oneDNN rounds this shape's one-row product unlike a batch's
@@ -147,6 +150,8 @@ class PackedLinear(_Served):
 
     def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
         x = x.to(self.dtype)
+        if self.weight is not None and torch.compiler.is_compiling():  # a graph inductor lowers itself
+            return _act(F.linear(x, self.weight, self.bias), act)
         if x.numel() == x.shape[-1]:  # one row
             if self.column_major is not None:
                 return _act(F.linear(x, self.column_major, self.bias), act)
@@ -331,11 +336,11 @@ def block_linears(model: nn.Module):
                 yield (f"{name}.{child_name}" if name else child_name), m, child_name, child
 
 
-def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP) -> dict:
+def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP, keep_plain: bool = False) -> dict:
     """Swap the block Linears (and the tied head: for none a packed copy beside the embedding, for int8/int4 one
     quantized table shared with it) for served modules, in place. fmt: none (PackedLinear on a CPU in fp32, and in
     bf16 where this CPU packs it; nothing elsewhere), int8, int4. Returns what it did (`swapped` counts the block
-    Linears)."""
+    Linears). keep_plain: packed layers keep their plain weight too, for a compiled step (twice the memory)."""
     if fmt not in FORMATS:
         raise FormatError(f"unknown weight format {fmt!r}: use one of {', '.join(FORMATS)}")
     param = next(model.parameters())
@@ -361,7 +366,7 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
         try:
             if fmt == "none":
                 if pack:
-                    new = PackedLinear(lin)
+                    new = PackedLinear(lin, keep_plain)
             elif fmt == "int8":
                 new = Int8Linear(*quantize_int8(lin.weight), lin.bias, dtype)
             else:
@@ -376,7 +381,7 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
         # the tied head gets its own packed copy (the embedding keeps reading the plain rows): through the plain
         # weight oneDNN reorders 50k x 768 on every call. GPT-2 124M through the server, fp32, against the three
         # copies before (same run): batch 1 -6%, 16 streams -8% without it
-        model.lm_head = PackedLinear(model.lm_head)
+        model.lm_head = PackedLinear(model.lm_head, keep_plain)
     if fmt != "none":
         wte = model.transformer.wte
         emb = Int8Embedding(wte.weight, dtype)

@@ -50,7 +50,6 @@ def timed(fn, sink: list[float]):
 
 
 def in_process(checkpoint: str, quantize: str, compile: str, threads: int, tokens: int) -> dict[str, Any]:
-    import torch
     from torch.profiler import profile
 
     from engine.core_process import CoreConfig, build_core

@@ -26,7 +26,7 @@ log = logging.getLogger("app")
 
 
 def _front_main(settings, index: int, core_args: tuple, sock: socket.socket) -> None:
-    from app.__main__ import serve
+    from app.serve import serve
     from app.service import CoreHandle
 
     code = serve(settings, core=CoreHandle(*core_args), front_index=index, sockets=[sock])

@@ -189,7 +189,7 @@ def _as_loaded(checkpoint: str, dtype):
     import torch
 
     from model.checkpoint import WEIGHTS, read_config
-    from model.quantize import QUANTIZATION
+    from model.quantized_format import QUANTIZATION
 
     try:
         config = read_config(checkpoint)

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from model.config import GPTConfig
 from model.gpt import GPT, sinusoidal_table
 from model.linear import FormatError, block_linears
-from model.quantize import check_quantized_state, install_quantized, quantized_keys, read_quantization
+from model.quantized_format import check_quantized_state, install_quantized, quantized_keys, read_quantization
 from model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 CONFIG, WEIGHTS, TOKENIZER, METADATA = "config.json", "model.safetensors", "tokenizer.json", "metadata.json"
@@ -108,7 +108,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
         raise CheckpointError(f"{weights}: truncated or corrupt safetensors file ({e})") from e
 
     try:
-        quant = read_quantization(path)  # model/quantize.py's output: int8/int4 tensors stored
+        quant = read_quantization(path)  # model/quantized_format.py's format: int8/int4 tensors stored
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     with torch.device("meta"):  # no time spent on a random init that is overwritten anyway

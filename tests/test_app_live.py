@@ -177,7 +177,7 @@ def test_huggingface_inference_client(live):
 
 
 def test_sigterm_drains_in_flight_requests(tiny_ckpt):
-    from app.__main__ import DrainingServer
+    from app.serve import DrainingServer
 
     app = make_app(tiny_ckpt, shutdown_timeout_s=10)
     with LiveServer(app, DrainingServer) as s:
@@ -208,7 +208,7 @@ def test_sigterm_drains_in_flight_requests(tiny_ckpt):
 def test_drain_timeout_ends_each_open_stream_with_an_error_event(tiny_ckpt, caplog):
     """Past GPT_SHUTDOWN_TIMEOUT_S the drain ends what still runs: every open stream gets a final error event in
     its API's shape (OpenAI streams then `[DONE]`), closes cleanly, and nothing logs a traceback."""
-    from app.__main__ import DrainingServer
+    from app.serve import DrainingServer
 
     app = make_app(tiny_ckpt, shutdown_timeout_s=0.3)
     results: dict[str, str] = {}

@@ -1,7 +1,9 @@
-"""The packages' layering: imports point down only — app, training, bench → engine → model.
+"""The packages' layering: imports point down only — app, training, bench → engine → model — and no two modules
+import each other, directly or in a circle.
 
 `model/` (the network) imports neither `engine` nor `app`; `engine/` (scheduling, no HTTP) never imports `app`.
-Function-level (lazy) imports count too: the check walks every import statement of every file.
+Function-level (lazy) imports count too: the checks walk every import statement of every file (a circle hidden
+behind a function-level import is still a circle: two modules that are one job, or a job in the wrong room).
 """
 
 import ast
@@ -40,3 +42,68 @@ def test_the_check_sees_a_violation(tmp_path):
     bad.mkdir()
     (bad / "x.py").write_text("def f():\n    from app.config import Settings\n")
     assert violations("model", tmp_path) == ["model/x.py:2 imports app"]
+
+
+PACKAGES = ("model", "engine", "app", "training", "bench")
+
+
+def module_graph(root: Path = REPO) -> dict[str, set[str]]:
+    """module → the project modules it imports (a package's own submodules not counted for its __init__)."""
+    mods = {}
+    for pkg in PACKAGES:
+        for path in (root / pkg).rglob("*.py") if (root / pkg).is_dir() else ():
+            name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            mods[name] = path
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in mods}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    deps |= {sub} if sub in mods else {node.module} & set(mods)
+        graph[name] = {d for d in deps if d != name and not d.startswith(name + ".")}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    assert circles(module_graph()) == []
+
+
+def test_the_circle_check_sees_one_behind_a_function_level_import(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "a.py").write_text("from model.b import x\n")
+    (tmp_path / "model" / "b.py").write_text("def f():\n    from model import a\n")
+    (tmp_path / "model" / "c.py").write_text("import model.a\n")
+    assert circles(module_graph(tmp_path)) == [["model.a", "model.b"]]

@@ -78,7 +78,7 @@ def test_a_kernel_that_refuses_this_cpu_is_reported_as_the_weights_step(monkeypa
     def refuse(w):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
 
-    monkeypatch.setattr(L, "PackedLinear", lambda lin: refuse(lin.weight))
+    monkeypatch.setattr(L, "PackedLinear", lambda lin, *args: refuse(lin.weight))
     if L.ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN linear")
     with pytest.raises(L.FormatError, match=r"cannot prepare transformer\.h\.0\.attn\.c_attn \(none, bfloat16\) "

@@ -148,6 +148,7 @@ def wheels_stage(run_pip: Callable[..., subprocess.CompletedProcess] = subproces
         proc = run_pip(cmd + [str(w) for w in wheels], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"pip could not install the carried wheels: {one_line(proc.stderr, 300)}")
+        target.mkdir(parents=True, exist_ok=True)
         stamp.write_text(pins)
         note = f"installed {len(wheels)} wheels"
     if here:

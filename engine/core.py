@@ -54,6 +54,19 @@ from model.linear import DEFAULT_INT4_GROUP, convert, tune, weight_bytes
 log = logging.getLogger("engine.core")
 
 
+def is_fatal_device_error(e: BaseException) -> bool:
+    """An error after which the device is unusable: a CUDA error (an illegal access, a device-side assert) is
+    sticky, every later call fails with it, so the engine must stop (its process exits, /live turns 503 and the
+    orchestrator restarts it); out of memory fails its step only. torch.AcceleratorError is torch >= 2.8's type
+    for them; before it (and for the driver's own) a RuntimeError that says so."""
+    if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(e, accelerator_error):
+        return True
+    return isinstance(e, RuntimeError) and str(e).startswith(("CUDA error", "CUDA driver error"))
+
+
 class EngineCore:
     def __init__(self, model: GPT, *, n_slots: int, vocab_size: int, eos_id: int | None = None,
                  max_len: int | None = None, prefill_chunk: int | None = None,
@@ -92,6 +105,7 @@ class EngineCore:
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self._graphed = None
         self.warmup_error: str | None = None
+        self.fatal_error: str | None = None  # a step's device error that no later step survives (the loop stops)
         # counters (read by stats())
         self.decode_steps = 0
         self.prefill_chunks = 0
@@ -180,6 +194,8 @@ class EngineCore:
             draws = self._execute(step)
         except Exception as e:  # a failing forward (e.g. out of memory) fails its requests, not the engine
             log.exception("engine step failed")
+            if is_fatal_device_error(e):
+                self.fatal_error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             return self._outputs(self.scheduler.fail_step(step, f"generation failed: {type(e).__name__}: {e}"))
         return self._outputs(self.scheduler.update(step, draws))
 

@@ -293,11 +293,7 @@ class EngineCore:
         emitted; the rest of the pass's entries lie past their lengths, to be overwritten."""
         n, spec = len(decode), self.speculator
         T = 1 + max(len(p) for p in proposals)
-        idx = torch.zeros(n, T, dtype=torch.long)
-        for i, p in enumerate(proposals):
-            if p:
-                idx[i, 1:1 + len(p)] = torch.tensor(p, dtype=torch.long)
-        idx = idx.to(self.device)
+        idx = device_index([[0, *p] + [0] * (T - 1 - len(p)) for p in proposals], self.device)
         idx[:, 0] = self.sampler.last[:n]
         before = list(self.cache.lengths[:n])
         logits = self.model.forward_cached(idx, self.cache, range(n), all_logits=True)  # (n, T, V)

@@ -96,3 +96,33 @@ def test_int8_off_a_cpu_serves_the_values_dequantized_once_not_per_call(monkeypa
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", Spy())
     assert k(torch.empty(5, 32, device="meta", dtype=torch.bfloat16)).shape == (5, 48) and len(calls) == 1
 
+
+
+def host_to_device_copies(path) -> list[str]:
+    """Calls that make a device tensor from host values without device_index: torch.tensor / as_tensor with a
+    device, or followed by .to(...)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        made = lambda n: (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)  # noqa: E731
+                          and n.func.attr in ("tensor", "as_tensor") and getattr(n.func.value, "id", "") == "torch")
+        if made(node) and any(k.arg == "device" for k in node.keywords):
+            found.append(f"{path.name}:{node.lineno}")
+        elif isinstance(f, ast.Attribute) and f.attr == "to" and made(f.value):
+            found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_every_host_to_device_index_of_a_step_goes_through_device_index():
+    """Issue 41 item 5: torch.tensor(list, device=cuda) copies from pageable memory and blocks the host; the step's
+    modules use model.kv_cache.device_index (pinned, non-blocking)."""
+    from pathlib import Path
+
+    engine = Path(__file__).resolve().parents[1] / "engine"
+    files = [engine / "sampling.py", engine / "core.py", *sorted((engine / "spec_decode").glob("*.py"))]
+    assert [hit for f in files for hit in host_to_device_copies(f)] == []

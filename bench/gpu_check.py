@@ -302,7 +302,8 @@ def finetune_check(work: Path, base: Path, steps: int = 6, device: str = "cuda")
     cli("training.finetune", "--quiet", "--task", "classification", "--train", str(work / "train.jsonl"), "--val",
         str(work / "val.jsonl"), "--init-from", str(base), "--out", str(out), *[x for s in sets for x in ("--set", s)])
     ev = last_event(out, "eval")
-    return {"steps": ev.get("step"), "val_acc": ev.get("val_acc"), "val_loss": ev.get("val_loss")}
+    return {"steps": ev.get("step"), "val_acc": ev.get("val_acc"), "val_loss": ev.get("val_loss"),
+            "checkpoint": str(out / "best")}
 
 
 # ---------------------------------------------------------------------------------------------- main

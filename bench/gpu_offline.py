@@ -13,15 +13,19 @@ the server's log go to --out (the device tool's $OUT), then a one-screen summary
 first GPU minute is never spent on a Python error. What it measures on a CPU says nothing about a GPU.
 
 Stages: wheels, imports, device, checkpoint, engine (tok/s batch 1 and 64 with graphs on and off, TTFT of a
-512-token prompt, int8/int4/fp16/fp32 against bf16, a KV cache in another dtype, and the invariances docs/api.md
-promises: seeded alone = batched, speculation on = off, graphs on = off), serve (python -m app: /generate,
-/generate_stream, concurrent streams, sampling parameters, structured output, a prefix-cache hit), train,
-finetune, tests (the CUDA tests).
+512-token prompt, int8 (dequantized and torch's kernel) / int4 / fp16 / fp32 against bf16, a KV cache in another
+dtype, and the invariances docs/api.md promises: seeded alone = batched, speculation on = off, graphs on = off),
+serve (python -m app: /generate, /generate_stream, concurrent streams, sampling parameters, structured output, a
+prefix-cache hit, a seeded request alone and among concurrent streams), train (a few steps, tokens/s, --resume),
+finetune (classification), classify (/classify on its checkpoint), tests (the CUDA tests).
+Not covered yet: chat fine-tuning, training tokens/s against another implementation (nanoGPT's model.py is not
+carried), CUDA graphs with a prefix-cache hit through the engine alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -341,6 +345,18 @@ def engine_run(ck_dir: Path, device: str, *, dtype: str = "bf16", batch: int = 1
             "kv_dtype": stats["kv_dtype"], "cuda_graphs": stats["cuda_graphs"], "speculative": stats["speculative"]}
 
 
+def with_env(name: str, value: str, fn: Callable[[], Any]) -> Any:
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 def same_tokens(a: list[int], b: list[int]) -> dict:
     """Measured, not asserted: equal, or where the two first part."""
     at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -380,6 +396,11 @@ def engine_stage(ck_dir: Path, device: str, sizes: Sizes, budget: Budget, reserv
                                                                     prompt_tokens=sizes.long_prompt))
     for fmt in ("int8", "int4"):
         part(f"decode_b1_{fmt}", lambda fmt=fmt: figures(batch=1, graphs=graphs, quantize=fmt))
+    if device == "cuda":  # torch's int8 kernel against the dequantized copy served by default (model/linear.py)
+        for b in sizes.batches:
+            part(f"decode_b{b}_int8_kernel", lambda b=b: with_env("GPT_INT8_KERNEL", "1",
+                                                                    lambda: figures(batch=b, graphs=graphs,
+                                                                                    quantize="int8")))
     for other in ("fp16", "fp32"):
         part(f"decode_b1_{other}", lambda other=other: figures(batch=1, graphs=graphs, dtype=other))
     kv_other = "fp16" if dtype != "fp16" else "bf16"
@@ -417,9 +438,9 @@ def engine_stage(ck_dir: Path, device: str, sizes: Sizes, budget: Budget, reserv
 
 
 # ---------------------------------------------------------------------------------------------- serve
-def serve_stage(ck_dir: Path, device: str, sizes: Sizes, out: Path, timeout: float) -> dict:
-    """python -m app on the device with its defaults, its log in `out`: the routes and features one client sees."""
-    import concurrent.futures
+@contextlib.contextmanager
+def server(ck_dir: Path, device: str, log_path: Path, timeout: float, *flags: str):
+    """python -m app on the device, its log in `log_path`, until /health is 200: yields (url, seconds to ready)."""
     import socket
 
     import httpx
@@ -428,11 +449,9 @@ def serve_stage(ck_dir: Path, device: str, sizes: Sizes, out: Path, timeout: flo
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    log_path = out / "server.log"
-    results: dict[str, Any] = {"log": log_path.name}
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "app", "--checkpoint", str(ck_dir), "--host", "127.0.0.1",
-                                 "--port", str(port), "--device", device, "--max-batch-size", "64"],
+                                 "--port", str(port), "--device", device, *flags],
                                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
     t0 = time.monotonic()
     try:
@@ -448,7 +467,26 @@ def serve_stage(ck_dir: Path, device: str, sizes: Sizes, out: Path, timeout: flo
             if time.monotonic() - t0 > timeout:
                 raise RuntimeError(f"python -m app not ready after {timeout:.0f} s (see {log_path.name})")
             time.sleep(0.5)
-        results["ready_s"] = round(time.monotonic() - t0, 1)
+        yield url, round(time.monotonic() - t0, 1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def serve_stage(ck_dir: Path, device: str, sizes: Sizes, out: Path, timeout: float) -> dict:
+    """python -m app on the device with its defaults, its log in `out`: the routes and features one client sees."""
+    import concurrent.futures
+
+    import httpx
+
+    log_path = out / "server.log"
+    results: dict[str, Any] = {"log": log_path.name}
+    with server(ck_dir, device, log_path, timeout, "--max-batch-size", "64") as (url, ready_s):
+        results["ready_s"] = ready_s
         info = httpx.get(url + "/info", timeout=10).json()
         results.update(device=info.get("device"), dtype=info.get("dtype"),
                        cuda_graphs=(info.get("engine") or {}).get("cuda_graphs"))
@@ -508,21 +546,33 @@ def serve_stage(ck_dir: Path, device: str, sizes: Sizes, out: Path, timeout: flo
         results["note"] = (f"ready in {results['ready_s']} s, {sizes.streams} streams "
                            f"{results['concurrent_streams']['tok_s']} tok/s")
         return results
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+
+
+def classify_stage(ck_dir: Path, device: str, out: Path, timeout: float) -> dict:
+    """/classify on the finetune stage's checkpoint (a task head), served on the device."""
+    import httpx
+
+    with server(ck_dir, device, out / "server-classify.log", timeout) as (url, ready_s):
+        r = httpx.post(url + "/classify", json={"inputs": ["quiet green apple", "river stone paper"]}, timeout=60)
+        if r.status_code != 200:
+            raise RuntimeError(f"/classify answered {r.status_code}: {r.text[:200]}")
+        return {"ready_s": ready_s, "answer": r.json(), "note": f"ready in {ready_s} s, /classify 200"}
 
 
 # ---------------------------------------------------------------------------------------------- train, tests
 def train_stage(work: Path, device: str, sizes: Sizes) -> dict:
-    from bench.gpu_check import train_check
+    from bench.gpu_check import CheckFailed, cli, last_event, train_check
 
     r = train_check(work, steps=sizes.train_steps, device=device)
-    r["note"] = f"{r['steps']} steps, loss {r['loss']:.3f}"
+    # --resume continues OUT/last exactly (optimizer, RNGs): two more steps
+    out, more = work / "train", sizes.train_steps + 2
+    cli("training.train", "--quiet", "--data", str(work / "prepared"), "--out", str(out), "--resume",
+        "--set", f"max_iters={more}", "--set", f"eval_interval={more}")
+    start, last = last_event(out, "start"), last_event(out, "train")
+    if not start.get("resumed") or last.get("step") != more:
+        raise CheckFailed(f"--resume: start event {start}, last step {last.get('step')}, expected {more}")
+    r.update(resumed_to_step=more, note=f"{r['steps']} steps, loss {r['loss']:.3f}, "
+                                         f"{r['tokens_per_s']} tokens/s; resumed to step {more}")
     return r
 
 
@@ -594,8 +644,11 @@ def main(argv: list[str] | None = None) -> int:
         Stage("train", 40, lambda: train_stage(work, args.device, sizes), ("device",)),
         Stage("finetune", 30, lambda: finetune_stage(work, args.device,
                                                      Path(report["stages"]["train"]["checkpoint"])), ("train",)),
+        Stage("classify", 30, lambda: classify_stage(Path(report["stages"]["finetune"]["checkpoint"]), args.device,
+                                                     out, min(120, budget.left())), ("finetune",)),
         Stage("tests", 90, lambda: tests_stage(args.device, max(budget.left() - 5, 1)), ("device",)),
     ]
+    order = [s.name for s in stages]
     if args.only:
         keep = set(args.only.split(","))
         unknown = keep - {s.name for s in stages}
@@ -606,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         stages = [s for s in stages if s.name in keep]
     print(f"gpu-check ({args.device}), budget {args.budget_s:.0f} s:", flush=True)
     failures = run_stages(stages, budget, report)
+    report["stages"] = {name: report["stages"][name] for name in order}
     report.update(failures=failures, seconds=round(budget.total_s - budget.left(), 1),
                   path=str(out / "gpu-check.json"))
     (out / "gpu-check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")

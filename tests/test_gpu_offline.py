@@ -116,7 +116,7 @@ def test_the_dry_run_passes_end_to_end_on_the_cpu(tmp_path):
     proc, report = run_script(tmp_path, timeout=850)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     st = report["stages"]
-    for name in ("imports", "device", "checkpoint", "engine", "serve", "train", "finetune"):
+    for name in ("imports", "device", "checkpoint", "engine", "serve", "train", "finetune", "classify"):
         assert st[name]["status"] == "ok", (name, st[name])
     assert st["tests"]["status"] == "skipped" and st["tests"]["reason"]
     assert st["imports"]["failed"] == {} and "app.main" in st["imports"]["skipped"]
@@ -124,3 +124,4 @@ def test_the_dry_run_passes_end_to_end_on_the_cpu(tmp_path):
     assert all("error" not in p for p in parts.values()), parts
     assert parts["seeded_alone_vs_batched"]["equal"] and parts["speculation_on_vs_off"]["equal"] == 4
     assert st["serve"]["stream_events"] == 8 and (tmp_path / "out" / "server.log").stat().st_size > 0
+    assert st["train"]["resumed_to_step"] == 5 and st["classify"]["answer"]

@@ -340,7 +340,10 @@ def engine_run(ck_dir: Path, device: str, *, dtype: str = "bf16", batch: int = 1
     del core, ck
     if device == "cuda":
         torch.cuda.empty_cache()
-    return {"tok_s": round(n / wall, 1), "ttft_ms": round(1000 * (first or 0.0), 2), "wall_s": round(wall, 3),
+    first = first or 0.0
+    after_first = max(wall - first, 1e-9)  # decode alone: the tokens after each request's first, prefill excluded
+    return {"tok_s": round(n / wall, 1), "decode_tok_s": round(max(n - batch, 0) / after_first, 1),
+            "ttft_ms": round(1000 * first, 2), "wall_s": round(wall, 3),
             "tokens": [tokens[i] for i in sorted(tokens)], "weights": stats["weights"],
             "kv_dtype": stats["kv_dtype"], "cuda_graphs": stats["cuda_graphs"], "speculative": stats["speculative"]}
 
@@ -607,7 +610,7 @@ def summary(report: dict) -> str:
     parts = (report["stages"].get("engine") or {}).get("parts") or {}
     for name, p in parts.items():
         if "tok_s" in p:
-            lines.append(f"    {name:<28} {p['tok_s']:>9} tok/s  TTFT {p['ttft_ms']} ms")
+            lines.append(f"    {name:<28} {p['decode_tok_s']:>9} decode tok/s  TTFT {p['ttft_ms']} ms")
         else:
             lines.append(f"    {name:<28} {one_line(json.dumps(p), 90)}")
     lines.append(f"report: {report['path']}")

@@ -67,6 +67,14 @@ bench: install
 gpu-check: install
 	$(PY) -m bench.gpu_check
 
+# The same machine offline, in its first minutes (no install, no download; the image's python3 and torch):
+# scripts/gpu-check.sh, fed by scripts/gpu-carry.sh here (docs/performance.md, "The first GPU run").
+# OPTIONS, e.g. make gpu-check-offline OPTIONS="--device cpu" for the dry run.
+.PHONY: gpu-check-offline
+OPTIONS ?=
+gpu-check-offline:
+	scripts/gpu-check.sh $(OPTIONS)
+
 # Our server vs vLLM (CPU) and llama.cpp's llama-server, same weights, one client (bench/README.md).
 # Sets the peers up under ~/.cache/gpt-serve-bench/peers first (once: ~15 min on 2 cores, builds run under nice).
 # Options go in PEERS_ARGS, e.g. make bench-peers PEERS_ARGS="--servers ours,llama-f32 --rounds 1 --new-tokens 16"

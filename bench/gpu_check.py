@@ -254,8 +254,9 @@ def last_event(run_dir: Path, kind: str) -> dict:
     return found[-1]
 
 
-def train_check(work: Path, steps: int = 6) -> dict:
-    """A few steps of training.train on the GPU with bf16 autocast, from a tiny corpus and tokenizer."""
+def train_check(work: Path, steps: int = 6, device: str = "cuda") -> dict:
+    """A few steps of training.train on the GPU with bf16 autocast (fp32 on a CPU: the offline check's dry run),
+    from a tiny corpus and tokenizer."""
     words = "the a my thy love night day sweet fair death light star heaven hath doth art thou shall".split()
     corpus = work / "corpus.txt"
     corpus.write_text("\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(8)) for i in range(400)))
@@ -265,19 +266,25 @@ def train_check(work: Path, steps: int = 6) -> dict:
         str(work / "tok.tiktoken"), "--quiet")
     out = work / "train"
     sets = ["n_layer=2", "n_head=2", "n_embd=64", "block_size=64", "batch_size=8", "eval_iters=2", "log_interval=1",
-            f"max_iters={steps}", f"eval_interval={steps}", "device=cuda", "dtype=bfloat16", "sample_tokens=8"]
+            f"max_iters={steps}", f"eval_interval={steps}", f"device={device}", f"dtype={train_dtype(device)}",
+            "sample_tokens=8"]
     cli("training.train", "--quiet", "--data", str(work / "prepared"), "--out", str(out),
         *[x for s in sets for x in ("--set", s)])
     start, train = last_event(out, "start"), last_event(out, "train")
-    if not start.get("bf16"):
+    if device == "cuda" and not start.get("bf16"):
         raise CheckFailed("training did not run under bf16 autocast")
     loss = train.get("loss")
     if loss is None or loss != loss:
         raise CheckFailed(f"training loss is {loss}")
-    return {"steps": train.get("step"), "loss": loss, "device": start.get("device"), "checkpoint": str(out / "best")}
+    return {"steps": train.get("step"), "loss": loss, "device": start.get("device"), "checkpoint": str(out / "best"),
+            "tokens_per_s": train.get("tokens_per_s")}
 
 
-def finetune_check(work: Path, base: Path, steps: int = 6) -> dict:
+def train_dtype(device: str) -> str:
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def finetune_check(work: Path, base: Path, steps: int = 6, device: str = "cuda") -> dict:
     """A few steps of training.finetune (classification) from the train stage's checkpoint, bf16 autocast."""
     import random
 
@@ -290,12 +297,13 @@ def finetune_check(work: Path, base: Path, steps: int = 6) -> dict:
             rows.append({"text": " ".join(ws), "label": "yes" if "quiet" in ws else "no"})
         (work / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = work / "finetune"
-    sets = ["batch_size=8", "log_interval=1", f"max_iters={steps}", f"eval_interval={steps}", "device=cuda",
-            "dtype=bfloat16", "sample_tokens=0"]
+    sets = ["batch_size=8", "log_interval=1", f"max_iters={steps}", f"eval_interval={steps}", f"device={device}",
+            f"dtype={train_dtype(device)}", "sample_tokens=0"]
     cli("training.finetune", "--quiet", "--task", "classification", "--train", str(work / "train.jsonl"), "--val",
         str(work / "val.jsonl"), "--init-from", str(base), "--out", str(out), *[x for s in sets for x in ("--set", s)])
     ev = last_event(out, "eval")
-    return {"steps": ev.get("step"), "val_acc": ev.get("val_acc"), "val_loss": ev.get("val_loss")}
+    return {"steps": ev.get("step"), "val_acc": ev.get("val_acc"), "val_loss": ev.get("val_loss"),
+            "checkpoint": str(out / "best")}
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -57,6 +57,19 @@ from model.linear import DEFAULT_INT4_GROUP, convert, tune, weight_bytes
 log = logging.getLogger("engine.core")
 
 
+def is_fatal_device_error(e: BaseException) -> bool:
+    """An error after which the device is unusable: a CUDA error (an illegal access, a device-side assert) is
+    sticky, every later call fails with it, so the engine must stop (its process exits, /live turns 503 and the
+    orchestrator restarts it); out of memory fails its step only. torch.AcceleratorError is torch >= 2.8's type
+    for them; before it (and for the driver's own) a RuntimeError that says so."""
+    if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(e, accelerator_error):
+        return True
+    return isinstance(e, RuntimeError) and str(e).startswith(("CUDA error", "CUDA driver error"))
+
+
 class EngineCore:
     def __init__(self, model: GPT, *, n_slots: int, vocab_size: int, eos_id: int | None = None,
                  max_len: int | None = None, prefill_chunk: int | None = None,
@@ -107,6 +120,7 @@ class EngineCore:
         self._graphed = None
         self.warmup_error: str | None = None
         self.compile_seconds: float | None = None  # the compiled decode step's start-up cost, once made
+        self.fatal_error: str | None = None  # a step's device error that no later step survives (the loop stops)
         # counters (read by stats())
         self.decode_steps = 0
         self.prefill_chunks = 0
@@ -197,6 +211,8 @@ class EngineCore:
             draws = self._execute(step)
         except Exception as e:  # a failing forward (e.g. out of memory) fails its requests, not the engine
             log.exception("engine step failed")
+            if is_fatal_device_error(e):
+                self.fatal_error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             return self._outputs(self.scheduler.fail_step(step, f"generation failed: {type(e).__name__}: {e}"))
         return self._outputs(self.scheduler.update(step, draws))
 
@@ -295,11 +311,7 @@ class EngineCore:
         emitted; the rest of the pass's entries lie past their lengths, to be overwritten."""
         n, spec = len(decode), self.speculator
         T = 1 + max(len(p) for p in proposals)
-        idx = torch.zeros(n, T, dtype=torch.long)
-        for i, p in enumerate(proposals):
-            if p:
-                idx[i, 1:1 + len(p)] = torch.tensor(p, dtype=torch.long)
-        idx = idx.to(self.device)
+        idx = device_index([[0, *p] + [0] * (T - 1 - len(p)) for p in proposals], self.device)
         idx[:, 0] = self.sampler.last[:n]
         before = list(self.cache.lengths[:n])
         logits = self.model.forward_cached(idx, self.cache, range(n), all_logits=True)  # (n, T, V)

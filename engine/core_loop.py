@@ -24,6 +24,11 @@ IDLE_WAIT_S = 1.0  # nothing to compute: block on the transport this long at mos
 PAUSED_WAIT_S = 0.02
 
 
+class DeviceFailed(RuntimeError):
+    """The device failed for good in a step (engine.core.is_fatal_device_error): the loop ends with it, after
+    sending that step's outputs, so the process exits and its fronts fail what is still open."""
+
+
 class CoreLoop:
     def __init__(self, core: EngineCore, transport, *, info: dict[str, Any] | None = None,
                  classify: Callable[[list], list[dict[str, float]]] | None = None, warmup: bool = True) -> None:
@@ -55,6 +60,8 @@ class CoreLoop:
                 break
             if core.has_work() and not self.paused:
                 self.deliver(core.step())
+                if core.fatal_error is not None:
+                    raise DeviceFailed(core.fatal_error)
             elif msgs or core.has_work():  # aborts changed the counts, or deadlines passed while paused
                 self.deliver(core.expire(), always=True)
         self.deliver(core.shutdown(), always=True)

@@ -42,6 +42,9 @@ from engine.spec_decode.config import (  # torch-free: the fronts import this mo
 log = logging.getLogger("engine")
 
 
+DEVICE_FAILED_EXIT = 3  # the core process's status after a sticky device error (1: it could not start)
+
+
 class StartupError(RuntimeError):
     """The server cannot start; the message is one line."""
 
@@ -507,7 +510,7 @@ def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int) -> Non
     release_freed_memory()  # the weights as loaded, freed by the swap to their served format
     import zmq
 
-    from engine.core_loop import CoreLoop
+    from engine.core_loop import CoreLoop, DeviceFailed
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -524,6 +527,9 @@ def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int) -> Non
     conn.close()
     try:
         loop.run()
+    except DeviceFailed as e:  # a sticky CUDA error: exit, so the server's /live fails and it is restarted
+        log.error("the device failed, the engine core exits: %s", e)
+        sys.exit(DEVICE_FAILED_EXIT)
     finally:
         sock.close(linger=0)
         ctx.term()

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model.kv_cache import device_index
+
 BLOCK_SIZE = 256  # tokens per block of the hierarchical draw (√V-ish for GPT-2's 50257)
 
 _M32 = 0xFFFFFFFF
@@ -325,7 +327,7 @@ class SlotState:
         self.presence[slot] = params.presence_penalty
         self.frequency[slot] = params.frequency_penalty
         self.seed_key[slot] = seed_keys(torch.tensor([seed]))[0]
-        self.history[slot, :n] = torch.as_tensor(prompt, dtype=torch.long).to(self.device)
+        self.history[slot, :n] = device_index(prompt, self.device)
         self.history[slot, n:] = self.vocab_size
         self.length[slot] = n
         self.prompt_len[slot] = n
@@ -350,10 +352,9 @@ class SlotState:
                 self.bias = torch.zeros(self.n_slots, self.padded, dtype=torch.float32, device=self.device)
             if bad_token(params.logit_bias, V):  # (the core refused these already)
                 raise ValueError(f"logit_bias: token ids must be in [0, {V})")
-            ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
             self.bias[slot] = 0.0
-            self.bias[slot, ids.to(self.device)] = torch.tensor(list(params.logit_bias.values()),
-                                                                dtype=torch.float32).to(self.device)
+            self.bias[slot, device_index(list(params.logit_bias), self.device)] = device_index(
+                list(params.logit_bias.values()), self.device, torch.float32)
         elif self.bias is not None:
             self.bias[slot] = 0.0
         ids = list(dict.fromkeys(params.stop_token_ids))
@@ -369,7 +370,7 @@ class SlotState:
                     grown[:, :self.suppress.size(1)] = self.suppress
                 self.suppress = grown
             self.suppress[slot] = V
-            self.suppress[slot, :len(ids)] = torch.tensor(ids, dtype=torch.long).to(self.device)
+            self.suppress[slot, :len(ids)] = device_index(ids, self.device)
         return bool(params.logit_bias), bool(ids)
 
     def release(self, slot: int) -> None:
@@ -378,8 +379,8 @@ class SlotState:
 
     def move(self, src: list[int], dst: list[int]) -> None:
         """Move the requests in slots `src` to slots `dst` (a permutation of them is fine: swaps work)."""
-        s = torch.tensor(src, device=self.device)
-        d = torch.tensor(dst, device=self.device)
+        s = device_index(src, self.device)
+        d = device_index(dst, self.device)
         for name in self._tensors:
             t = getattr(self, name)
             t[d] = t[s]  # the right side is gathered into a new tensor first
@@ -459,7 +460,7 @@ class Sampler(SlotState):
             for i, (t, lp) in zip(rejected, fixed):
                 rows[i][0], rows[i][1] = t, lp
             token = token.clone()
-            token[torch.tensor(rejected, device=self.device)] = torch.tensor([t for t, _ in fixed], device=self.device)
+            token[device_index(rejected, self.device)] = device_index([t for t, _ in fixed], self.device)
         self.record(plan.rows, plan.index, token)
         n = plan.top_n
         first_top = 3 if accepted is not None else 2
@@ -488,7 +489,7 @@ class Sampler(SlotState):
             raise ValueError(f"a slot in {slots} holds no request")
         dev, n = self.device, len(slots)
         contiguous = slots == list(range(slots[0], slots[0] + n))
-        index = torch.tensor(slots, device=dev)
+        index = device_index(slots, dev)
         rows = slice(slots[0], slots[0] + n) if contiguous else index
         greedy = [k.greedy for k in kinds]
         topk = [i for i, k in enumerate(kinds) if k.top_k]
@@ -498,9 +499,9 @@ class Sampler(SlotState):
         mask_topk = [i for i in constrained if kinds[i].top_k]
         return _Plan(
             n=n, rows=rows, index=index,
-            greedy=torch.tensor(greedy, device=dev) if 0 < sum(greedy) < n else None,
+            greedy=device_index(greedy, dev, torch.bool) if 0 < sum(greedy) < n else None,
             all_greedy=all(greedy), any_sampled=bool(sampled),
-            topk_rows=torch.tensor(topk, device=dev) if topk else None, topk_all=len(topk) == n,
+            topk_rows=device_index(topk, dev) if topk else None, topk_all=len(topk) == n,
             k_max=max((kinds[i].top_k for i in topk), default=0),
             top_p=any(kinds[i].top_p for i in sampled), top_p_in_k=any(kinds[i].top_p for i in topk),
             repetition=any(k.repetition for k in kinds),
@@ -509,11 +510,11 @@ class Sampler(SlotState):
                          and not k.min_tokens for k in kinds),
             top_n=max(k.top_n for k in kinds), bias=any(k.bias for k in kinds),
             min_tokens=any(k.min_tokens for k in kinds), masked=bool(constrained),
-            mask_rows=torch.tensor(constrained, device=dev) if 0 < len(constrained) < n else None,
-            mask_greedy=torch.tensor(mask_greedy, device=dev) if mask_greedy else None,
+            mask_rows=device_index(constrained, dev) if 0 < len(constrained) < n else None,
+            mask_greedy=device_index(mask_greedy, dev) if mask_greedy else None,
             clamp=dev.type == "cpu" and any(k.sharpened for k in kinds),
-            mask_topk=(torch.tensor([topk.index(i) for i in mask_topk], device=dev),
-                       torch.tensor([constrained.index(i) for i in mask_topk], device=dev)) if mask_topk else None)
+            mask_topk=(device_index([topk.index(i) for i in mask_topk], dev),
+                       device_index([constrained.index(i) for i in mask_topk], dev)) if mask_topk else None)
 
     def _sample(self, logits: torch.Tensor, plan: _Plan, bitmask: torch.Tensor | None = None):
         B, V, P, NB, BS = plan.n, self.vocab_size, self.padded, self.n_blocks, self.block
@@ -694,7 +695,7 @@ class Sampler(SlotState):
         Within a block, log e = z + a per-row constant, so e alone carries the distribution.
         """
         raw, _src, _scale, e, total, lse, seed_key, position = ctx
-        idx = torch.tensor(rejected, device=self.device)
+        idx = device_index(rejected, self.device)
         e = e[idx]  # (R, padded): exp of processed logits, shifted; 0 where impossible
         total, seed_key, position = total[idx], seed_key[idx], position[idx]
         p = self.top_p[plan.rows][idx]
@@ -706,7 +707,7 @@ class Sampler(SlotState):
         threshold = torch.nn.functional.threshold_
         while live:
             rnd += 1
-            li = torch.tensor(live, device=self.device)
+            li = device_index(live, self.device)
             el = e if len(live) == R else e[li]
             # the tokens strictly more likely than the pivot: threshold on e / pivot (no masked_fill / where,
             # several times slower on a CPU), scaled back
@@ -731,7 +732,7 @@ class Sampler(SlotState):
                     pivot[i] = e_s[j]
                     still.append(i)
             live = still
-        ids = torch.tensor(result, device=self.device)
+        ids = device_index(result, self.device)
         lps = (raw[idx, ids] - lse[idx]).tolist()
         return list(zip(result, lps))
 

@@ -22,11 +22,12 @@ class ContextLengthError(ValueError):
     """A sequence would grow past the cache's (or the model's) context length."""
 
 
-def device_index(values, device: torch.device) -> torch.Tensor:
-    """A long tensor of `values` (host ints: slots, rows) on `device` without waiting for it: on CUDA through pinned
-    memory and an asynchronous copy (the caching host allocator keeps the pinned block until the copy is done;
-    torch.tensor(..., device="cuda") copies from pageable memory and synchronizes the stream); on CPU torch.tensor."""
-    t = torch.tensor(values, dtype=torch.long)
+def device_index(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor of `values` (host ints: slots, rows, token ids; or bools, floats with `dtype`) on `device` without
+    waiting for it: on CUDA through pinned memory and an asynchronous copy (the caching host allocator keeps the
+    pinned block until the copy is done; torch.tensor(..., device="cuda") copies from pageable memory and
+    synchronizes the stream); on CPU torch.tensor. Every host → device copy of the engine goes through here."""
+    t = torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
         return t
     if device.type == "cuda":

@@ -41,6 +41,8 @@ keep `output` at 6 bits).
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import time
 import warnings
@@ -74,6 +76,7 @@ def _onednn_linear_op():
 # 36.8 ms, 13.6 GB/s) and whose small-batch GEMM is slow; oneDNN's inner product reads the same (out, in) weights,
 # no copy, over both threads (21.4 ms). It has no autograd formula, so it serves only passes that need no gradient.
 ONEDNN_LINEAR = _onednn_linear_op()
+log = logging.getLogger(__name__)
 
 
 def _post_op(act: nn.Module | None) -> tuple[str, str] | None:
@@ -192,6 +195,16 @@ def check_int4_shape(shape: tuple[int, int], group: int, where: str = "") -> Non
                           f"{where or 'a weight'} is {out}x{inp}")
 
 
+def int4_inner_k_tiles(in_features: int) -> int:
+    """The inner k-tiles of CUDA's int4 layout (torch's tinygemm kernels: 2, 4 or 8; 8 loads 16 bytes at a time):
+    its packer needs the input dim divisible by 16 x this. 8 alone failed GPT-2 XL's 1600 (= 12.5 x 128) at load;
+    the group sizes (multiples of 32) make 2 always possible, so every shape check_int4_shape admits packs."""
+    for tiles in (8, 4, 2):
+        if in_features % (16 * tiles) == 0:
+            return tiles
+    raise FormatError(f"int4 on CUDA needs input dims divisible by 32, got {in_features}")
+
+
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """(out, in) values 0..15 → (out, in/2) bytes, the even column in the low nibble (how checkpoints store int4)."""
     return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
@@ -203,10 +216,25 @@ def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
     return q
 
 
+def int8_kernel_off_cpu() -> bool:
+    """Whether int8 off a CPU runs torch's `_weight_int8pack_mm` (CUDA since torch 2.9: one warp per output
+    element on CUDA cores, fp32 accumulation) instead of the int8 values dequantized once into the served dtype
+    (cuBLAS; no memory saved). The dequantized copy until a GPU run measures the kernel (bench/gpu_offline.py's
+    int8 parts): the per-call dequantization it replaces made a bf16 copy of every weight on every call.
+    GPT_INT8_KERNEL=1 picks the kernel."""
+    return os.environ.get("GPT_INT8_KERNEL", "0") == "1"
+
+
+@functools.cache
+def _note_dequantized(device: str) -> None:
+    log.warning("int8 on %s: the weights are dequantized once into the served dtype (int8's values, no memory "
+                "saved) until torch's int8 kernel is measured there; GPT_INT8_KERNEL=1 uses the kernel", device)
+
+
 class Int8Linear(_Served):
     """int8 weights, one scale per output row. On an x86 CPU, fbgemm's packed int8 weight (the only copy) with the
-    activations quantized per call; otherwise the int8 (out, in) tensor, multiplied by PyTorch's weight-only kernel
-    on a CPU or dequantized into the matmul elsewhere.
+    activations quantized per call; on another CPU the int8 (out, in) tensor through PyTorch's weight-only kernel;
+    elsewhere (CUDA) the int8 values dequantized once into the served dtype, or that kernel (int8_kernel_off_cpu).
 
     fbgemm quantizes its input with one scale for the whole tensor, from its min and max: a row's result would
     depend on the other rows of the batch (a seeded request's tokens would change with its neighbours). So each row
@@ -221,7 +249,7 @@ class Int8Linear(_Served):
         self.dtype = dtype
         self.bias = None if bias is None else bias.detach().to(torch.float32, copy=True)
         self.fbgemm = None
-        self.q = self.scale = None
+        self.q = self.scale = self.weight = None
         if q.device.type == "cpu" and cpu_support.support().fbgemm:
             q2 = torch.cat([q, torch.zeros(q.shape[0], 2, dtype=torch.int8)], 1)  # the ±1 inputs' weights
             with warnings.catch_warnings():  # quantized tensors are deprecated, fbgemm's kernels still take them (2.13)
@@ -230,10 +258,17 @@ class Int8Linear(_Served):
                                                               torch.zeros_like(scale, dtype=torch.long), 0)
             self.fbgemm = torch.ops.quantized.linear_prepack(qw, None)
             self._pm = torch.tensor([1.0, -1.0])
-        else:
+        elif q.device.type == "cpu" or int8_kernel_off_cpu():
             self.q, self.scale = q, scale.float()
+        else:  # the int8 values in the served dtype, made once (see int8_kernel_off_cpu)
+            self.weight = (q.float() * scale.float()[:, None]).to(dtype)
+            if self.bias is not None:
+                self.bias = self.bias.to(dtype)
+            _note_dequantized(str(q.device.type))
 
     def matrix_bytes(self) -> int:  # int8 weights and fp32 scales (opaque in fbgemm's copy, the same count)
+        if self.weight is not None:
+            return self.weight.numel() * self.weight.element_size()
         return self.out_features * (self.in_features + 4)
 
     def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
@@ -246,13 +281,15 @@ class Int8Linear(_Served):
             y = torch.ops.quantized.linear_dynamic(xn, self.fbgemm, True).mul_(m)
             if self.bias is not None:
                 y = y.add_(self.bias)
+        elif self.weight is not None:
+            y = F.linear(x, self.weight, self.bias)
         elif x.device.type == "cpu":
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale.to(torch.bfloat16))
             y = y.float() if self.bias is None else y.float() + self.bias
-        else:  # CUDA: dequantize into the matmul (torch.compile fuses this; eager reads the int8 weight once)
-            y = F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
+        else:  # torch's kernel reads the int8 bytes (GPT_INT8_KERNEL=1), fp32 accumulation, in x's dtype
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
             if self.bias is not None:
-                y = y + self.bias.to(x.dtype)
+                y = y + self.bias.to(y.dtype)
         return _act(y.reshape(*shape[:-1], self.out_features).to(dtype), act)
 
 
@@ -272,7 +309,7 @@ class Int4Linear(_Served):
         else:
             packed = pack_nibbles(q)  # CUDA's packer wants two nibbles per byte, the even column high
             packed = ((packed & 15) << 4) | (packed >> 4)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(packed, int4_inner_k_tiles(self.in_features))
 
     def matrix_bytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
@@ -307,7 +344,7 @@ class Int8Embedding(nn.Module):
         self.q, self.scale, self.dtype = q, scale, dtype
         self.num_embeddings, self.embedding_dim = q.shape
         self.head = Int8Linear(self.q, self.scale, None, dtype)
-        if self.head.fbgemm is not None:
+        if self.head.fbgemm is not None or self.head.weight is not None:  # a copy of its own
             self.head_bytes = self.head.weight_bytes()
         else:
             self.head_bytes = 0  # the head reads this table

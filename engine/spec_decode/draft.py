@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from model.kv_cache import KVCache
+from model.kv_cache import KVCache, device_index
 
 
 class DraftError(ValueError):
@@ -74,7 +74,7 @@ class DraftProposer:
             held = self._held(rid, tokens)
             held = min(held, n - 1)  # the last token is always fed: its logits give the first proposal
             self.cache.truncate(slot, held)
-            idx = torch.tensor(list(tokens[held:]), dtype=torch.long, device=self.device)[None]
+            idx = device_index([list(tokens[held:])], self.device)
             logits = self.model.forward_cached(idx, self.cache, [slot])
             self.forward_passes += 1
             self.base[rid], self.fed[rid] = n, []
@@ -88,7 +88,7 @@ class DraftProposer:
             if not live:
                 return out
             slots = [self.slot[rows[i][0]] for i in live]
-            idx = torch.tensor([[out[i][-1]] for i in live], dtype=torch.long, device=self.device)
+            idx = device_index([[out[i][-1]] for i in live], self.device)
             logits = self.model.forward_cached(idx, self.cache, slots)
             self.forward_passes += 1
             tokens, sure = self._pick(logits)

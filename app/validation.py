@@ -355,7 +355,8 @@ def render_chat(messages: list[ChatMessage], template: ChatTemplate, add_generat
                 tools: list[dict] | None = None) -> str:
     rendered = [message_dict(m, i) for i, m in enumerate(messages)]
     if not template.renders_tools:
-        if bad := next((i for i, m in enumerate(messages) if m.role == "tool" or m.tool_calls), None):
+        bad = next((i for i, m in enumerate(messages) if m.role == "tool" or m.tool_calls), None)
+        if bad is not None:
             raise invalid(f"messages.{bad}", f"the chat template ({template.origin}) cannot render tool calls or "
                                              "tool results")
         tools = None

@@ -131,7 +131,7 @@ def gpt2_ckpt(tmp_path_factory, gpt2_tokenizer) -> Path:
 def live(request):
     ckpt = REPO / "checkpoints" / "shakespeare" if request.param == "shakespeare" else request.getfixturevalue(
         "gpt2_ckpt")
-    with LiveServer(make_app(ckpt, max_batch_size=4, max_queue=16, warmup=False)) as server:
+    with LiveServer(make_app(ckpt, max_batch_size=4, max_queue=16, warmup=False), start_timeout=120) as server:
         yield server
 
 

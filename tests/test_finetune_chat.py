@@ -155,8 +155,18 @@ def test_prompt_completion_forms(chat_tok):
     ('{"text": "a"}', ':2: expected "messages" (or "prompt" and "completion")'),
     ('{"messages": []}', ":2: messages must be a non-empty list of messages"),
     ('{"messages": [{"role": "user", "content": "a"}]}', ":2: no assistant turn (nothing to learn)"),
-    ('{"messages": [{"role": "tool", "content": "a"}]}', ":2: messages[0]: unknown role 'tool' (expected system, "
-                                                         "user or assistant)"),
+    ('{"messages": [{"role": "bot", "content": "a"}]}', ":2: messages[0]: unknown role 'bot' (expected system, "
+                                                        "user, assistant or tool)"),
+    ('{"messages": [{"role": "user", "content": "a", "tool_calls": [{"function": {"name": "f"}}]}]}',
+     ":2: messages[0]: only assistant messages carry tool_calls"),
+    ('{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]}',
+     ":2: messages[0].tool_calls[0]: arguments are not JSON"),
+    ('{"messages": [{"role": "assistant", "tool_calls": [{"type": "function"}]}]}',
+     ':2: messages[0].tool_calls[0]: expected {"type": "function", "function": {"name": ..., "arguments": ...}}'),
+    ('{"tools": [{"type": "web_search"}], "messages": [{"role": "assistant", "content": "a"}]}',
+     ':2: tools[0]: expected {"type": "function"'),
+    ('{"parallel_tool_calls": 1, "messages": [{"role": "assistant", "content": "a"}]}',
+     ":2: parallel_tool_calls must be true or false"),
     ('{"messages": [{"content": "a"}]}', ":2: messages[0]: unknown role None"),
     ('{"messages": [{"role": "user", "content": null}]}', ":2: messages[0]: content must be a string, got NoneType"),
     ('{"messages": [{"role": "user", "content": "a", "weight": 0}]}', ":2: messages[0]: weight is for assistant "
@@ -171,6 +181,33 @@ def test_bad_lines_are_one_line_naming_file_and_line(tmp_path, files, capsys, li
     err = one_line_error(capsys, lambda: finetune(files, tmp_path / "o", "--init-from", str(files["base"]), train=bad))
     assert err.startswith("python -m training.finetune: error: ")
     assert f"{bad}{message}" in err
+
+
+TOOL_LINE = {
+    "tools": [{"type": "function", "function": {"name": "find", "description": "look up",
+                                                "parameters": {"type": "object", "properties": {"who": {
+                                                    "type": "string"}}}}}],
+    "parallel_tool_calls": False,
+    "messages": [{"role": "user", "content": "who"},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": "c1", "type": "function", "function": {"name": "find", "arguments": '{"who": "he"}'}}]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "the hat"},
+                 {"role": "assistant", "content": "a cat"}]}
+
+
+def test_tool_calls_are_learned_as_replies(tmp_path, chat_tok):
+    """OpenAI's fine-tuning lines with tools: the template shows the tools (context), the assistant's call is
+    learned as its reply is (the call's text and the end of turn), the tool's result is context."""
+    f = write_jsonl(tmp_path / "t.jsonl", [TOOL_LINE])
+    with TokenDir() as wd:
+        data = encode_chat_file(f, sft_encoder(chat_tok), 400, "drop", wd)
+    row = data.example(0)
+    ids, learn = (row & 0x7FFFFFFF).tolist(), (row >> 31).astype(bool).tolist()
+    text = chat_tok.decode(ids)
+    assert text.startswith('<|system|>\nYou may call these functions.') and '"name": "find"' in text
+    learned = chat_tok.decode([i for i, f in zip(ids, learn) if f])
+    assert learned == f'<tool_call>{{"name": "find", "arguments": {{"who": "he"}}}}</tool_call>{EOT}a cat{EOT}'
+    assert "<tool_response>\nthe hat\n</tool_response>" in text
 
 
 def test_overlong_conversations_are_dropped_or_truncated_and_counted(tmp_path, chat_tok):

@@ -26,7 +26,6 @@ from typing import Literal
 from engine.request import StructuredSpec
 
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: parameters omitted
-PARSERS = ("hermes",)  # tool_call_parser values; one class per format below
 
 
 def call_id() -> str:
@@ -68,7 +67,7 @@ class ToolPlan:
             return NamedCall(self.names[0])
         if self.mode == "required":
             return ForcedCalls()
-        return HermesCalls(set(self.names))
+        return PARSERS[self.parser](set(self.names))
 
 
 # ------------------------------------------------------------------------------------------------- readers
@@ -238,3 +237,6 @@ class HermesCalls(CallStream):
                 or not isinstance(call.get("arguments", {}), dict)):
             return self._text(raw)
         return [self._start(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False))]
+
+
+PARSERS = {"hermes": HermesCalls}  # the tool_call_parser setting's values (app/config.py) → their readers

@@ -388,9 +388,9 @@ def plan_tools(req: ChatCompletionRequest, tokenizer: Tokenizer, template: ChatT
     if choice == "none":
         return None, None
     if choice == "auto":
-        if parser is None:
-            raise invalid("tool_choice", "auto needs the server's tool_call_parser setting (GPT_TOOL_CALL_PARSER); "
-                                         "use required or a named function")
+        if parser is None or parser == "none":
+            raise invalid("tool_choice", "auto needs a tool-call parser and this server has none "
+                                         "(GPT_TOOL_CALL_PARSER=none); use required or a named function")
         if not template.renders_tools:
             raise invalid("tool_choice", f"auto: the chat template ({template.origin}) cannot show tools to the "
                                          "model; use required or a named function")

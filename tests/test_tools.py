@@ -95,6 +95,25 @@ def test_hermes_holds_back_only_what_may_be_a_tag():
     assert reader.close() == [] and reader.content == "a <tool_x> b" and reader.tool_calls == []
 
 
+def test_auto_needs_a_parser_and_the_setting_names_the_parsers(gpt2_tokenizer):
+    from typing import get_args
+
+    from app.config import Settings
+    from app.errors import ApiError
+    from app.protocol.openai import ChatCompletionRequest
+    from app.tools import PARSERS
+    from app.validation import plan_tools
+
+    assert set(get_args(Settings.model_fields["tool_call_parser"].annotation)) == {*PARSERS, "none"}
+    req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": TOOLS})
+    template = ChatTemplate(SFT_TEMPLATE, "sft")
+    plan, spec = plan_tools(req, gpt2_tokenizer, template, "hermes")
+    assert plan.mode == "auto" and spec is None and isinstance(plan.calls(), HermesCalls)
+    with pytest.raises(ApiError) as e:
+        plan_tools(req, gpt2_tokenizer, template, "none")
+    assert e.value.param == "tool_choice" and "GPT_TOOL_CALL_PARSER=none" in e.value.message
+
+
 # ----------------------------------------------------------------------------------------------- template
 def test_the_sft_template_renders_tools_calls_and_results():
     t = ChatTemplate(SFT_TEMPLATE, "sft", eos_token="<|endoftext|>")

@@ -203,6 +203,23 @@ def test_required_with_parallel_calls(oai):
         assert len({c.id for c in calls}) == len(calls)
 
 
+def test_langchain_bind_tools_parses_our_calls(live):
+    lc = pytest.importorskip("langchain_openai")
+    llm = lc.ChatOpenAI(base_url=live.url + "/v1", api_key="unused", model="m", max_retries=0, seed=2,
+                        max_completion_tokens=120)
+    for choice in ("required", "find_scene"):
+        bound = llm.bind_tools(TOOLS, tool_choice=choice, parallel_tool_calls=False)
+        msg = bound.invoke("Where does Romeo go?")
+        assert len(msg.tool_calls) == 1 and not msg.invalid_tool_calls
+        call = msg.tool_calls[0]
+        assert call["id"].startswith("call_") and (choice == "required" or call["name"] == choice)
+        jsonschema.validate(call["args"], SCHEMA[call["name"]])
+        streamed = None
+        for chunk in bound.stream("Where does Romeo go?"):
+            streamed = chunk if streamed is None else streamed + chunk
+        assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
+
+
 def test_tool_choice_none_answers_in_text(oai):
     r = oai.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=8,
                                     seed=1)

@@ -8,8 +8,9 @@ Each line of --val (OpenAI's fine-tuning format with `tools`, as training/shakes
 prompt (the messages before the first assistant message) and what that message is: a call (function and
 arguments) or text. The prompt goes to the server's /v1/chat/completions with the line's tools, tool_choice auto,
 greedy, through the unmodified openai SDK; the reply's `tool_calls` are what the server's parser found.
-Reported: for call prompts, the share with a parsed call, with the expected function, and with exactly the expected
-arguments; for text prompts, the share answered without a call. Writes bench/results/<out>.json.
+Reported: for call prompts, the share that wrote a `<tool_call>` tag (parsed or not: the JSON may be malformed), with
+a parsed call, with the expected function, and with exactly the expected arguments; for text prompts, the share
+answered without a call. Writes bench/results/<out>.json.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def run(url: str, val: Path, limit: int, max_tokens: int) -> dict:
     import openai
 
     client = openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=120)
-    counts = {"call_prompts": 0, "parsed_call": 0, "right_function": 0, "exact_arguments": 0, "text_prompts": 0,
-              "no_call": 0}
+    counts = {"call_prompts": 0, "tagged_call": 0, "parsed_call": 0, "right_function": 0, "exact_arguments": 0,
+              "text_prompts": 0, "no_call": 0}
     examples = []
     t0 = time.monotonic()
     for messages, tools, expected in cases(val, limit):
@@ -57,6 +58,7 @@ def run(url: str, val: Path, limit: int, max_tokens: int) -> dict:
             counts["no_call"] += not got
         else:
             counts["call_prompts"] += 1
+            counts["tagged_call"] += bool(got) or "<tool_call>" in (r.choices[0].message.content or "")
             counts["parsed_call"] += bool(got)
             counts["right_function"] += bool(got) and got[0]["name"] == expected["name"]
             counts["exact_arguments"] += bool(got) and got[0] == expected
@@ -64,7 +66,7 @@ def run(url: str, val: Path, limit: int, max_tokens: int) -> dict:
             examples.append({"prompt": messages[-1]["content"], "expected": expected, "calls": got,
                              "content": r.choices[0].message.content, "finish_reason": r.choices[0].finish_reason})
     calls_n, text_n = max(1, counts["call_prompts"]), max(1, counts["text_prompts"])
-    rates = {"parsed_call_rate": counts["parsed_call"] / calls_n,
+    rates = {"tagged_call_rate": counts["tagged_call"] / calls_n, "parsed_call_rate": counts["parsed_call"] / calls_n,
              "right_function_rate": counts["right_function"] / calls_n,
              "exact_arguments_rate": counts["exact_arguments"] / calls_n,
              "no_call_rate_on_text_prompts": counts["no_call"] / text_n}

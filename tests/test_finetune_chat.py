@@ -358,3 +358,45 @@ def test_round_trip_fine_tune_serve_export_transformers(tmp_path, files):
         assert hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=False) == template.render(conv)
     assert json.loads((hf_dir / "generation_config.json").read_text())["eos_token_id"] == [ck.tokenizer.eot_id]
     assert hf.eos_token == EOT and hf.convert_tokens_to_ids("<|assistant|>") == 261
+
+
+def test_tool_calls_round_trip_fine_tune_serve_transformers(tmp_path, files):
+    """A fine-tune on tool-calling lines carries a template that renders tools: the server takes tool_choice auto
+    and parses a Hermes call (here forced by a regex: a 2-step model writes none of its own), /tokenize renders
+    tool history as training did, and transformers' apply_chat_template(tools=...) renders what we render."""
+    from tests.app_helpers import app_client
+
+    ranks = files["ranks"]
+    tok = Tokenizer.from_ranks_file(ranks)
+    base = save_checkpoint(tmp_path / "base", tiny_model(seed=0, vocab_size=tok.vocab_size, block_size=512), tok,
+                           tokenizer_file=ranks)
+    train = write_jsonl(tmp_path / "t.jsonl", [TOOL_LINE] * 8)
+    out = tmp_path / "run"
+    assert finetune(files, out, "--init-from", str(base), *sets("max_iters=2", "eval_interval=2", "batch_size=2"),
+                    train=train, val=train) == 0
+    ck_dir = out / "best"
+    template = load_chat_template(ck_dir, EOT)
+    assert template.renders_tools
+    tools, history = TOOL_LINE["tools"], TOOL_LINE["messages"][:3]
+    regex = r'<tool_call>\{"name": "find", "arguments": \{"who": "[a-z]{1,4}"\}\}</tool_call>'
+    with app_client(ck_dir) as client:
+        r = client.post("/v1/chat/completions", json={"messages": history[:1], "tools": tools, "max_tokens": 120,
+                                                      "seed": 1, "structured_outputs": {"regex": regex}})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["find"]
+        assert set(json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])) == {"who"}
+        ids = client.post("/tokenize", json={"messages": history}).json()["tokens"]
+    rendered = [Message("user", "who").as_dict(), {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "find", "arguments": {"who": "he"}}}]},
+        {"role": "tool", "content": "the hat", "tool_call_id": "c1"}]
+    ck = load_checkpoint(ck_dir)
+    assert ids == ck.tokenizer.encode_chat(template.render(rendered))  # /tokenize takes no tools: none rendered
+
+    transformers = pytest.importorskip("transformers")
+    from model.export_hf import export
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(export(ck_dir, tmp_path / "hf")))
+    assert hf.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=False) == \
+        template.render(rendered, tools=tools)

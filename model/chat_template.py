@@ -10,6 +10,9 @@ format of the OpenLM write-up (../shared/seeds/004): `You: ...` / `Model: ...` l
 `Model:` and stopped at the next `You:` — so a model trained on plain text (the bundled Shakespeare one) chats
 out of the box.
 
+`tools=` (OpenAI's function tools, as transformers' apply_chat_template passes them) reach the template too; a
+template that reads `tools` can show them to the model (`renders_tools`).
+
 Chat fine-tuning (training/finetune.py --task chat) renders conversations with SFT_TEMPLATE unless given
 another template: role tokens `<|system|>`, `<|user|>`, `<|assistant|>` (special tokens the fine-tune adds to
 the tokenizer), the message, and `<|endoftext|>` closing every message, so a reply ends where the engine
@@ -97,13 +100,10 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         try:
             self._template = env.from_string(self.source)
+            # the template reads `tools` (as transformers passes them): it can show functions to the model
+            self.renders_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(self.source))
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template {self.origin}: {type(e).__name__}: {e}") from None
-
-    @property
-    def renders_tools(self) -> bool:
-        """The template reads `tools` (as transformers passes them): it can show functions to the model."""
-        return "tools" in jinja2.meta.find_undeclared_variables(self._template.environment.parse(self.source))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
                ) -> str:

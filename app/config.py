@@ -108,6 +108,11 @@ class Settings(BaseSettings):
     chat_template: Path | None = Field(None, description="a Jinja chat template file for /v1/chat/completions "
                                        "(default: the checkpoint's chat_template.jinja or tokenizer_config.json, "
                                        "else the You:/Model: transcript)")
+    responses_store: int = Field(256, ge=0, le=100_000, description="responses kept (their conversations, in "
+                                 "memory, least recently used dropped) for /v1/responses' previous_response_id")
+    tool_call_parser: Literal["hermes", "none"] = Field(
+        "hermes", description="how tool_choice auto finds calls in a reply (vLLM's --tool-call-parser): hermes, "
+        "<tool_call>{json}</tool_call>; none: auto is refused (required and named functions need no parser)")
     speculative: str = Field("off", description="speculative decoding: off, ngram (prompt lookup: proposes what "
                              "followed the sequence's last n-gram earlier in prompt or output) or draft:CHECKPOINT (a "
                              "smaller model with the same tokenizer proposes greedily). Proposals are verified "

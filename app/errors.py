@@ -241,7 +241,8 @@ def allowed_methods(request: Request) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------- handlers
-GENERATION_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions",
+                              "/v1/responses"})
 
 
 def refusal_counter(on_refusal: Callable[[int], None] | None) -> Callable[[str, str, int], None]:

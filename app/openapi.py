@@ -16,10 +16,11 @@ from fastapi.openapi.utils import get_openapi
 
 from app.errors import OpenAIError, TGIError
 from app.protocol.openai import MAX_N, ChatCompletionChunk, CompletionResponse
+from app.protocol.responses import ResponseEvent
 from app.protocol.tgi import StreamResponse
 
 # models that only SSE events reference: added to components by hand (FastAPI adds those of `responses=` models)
-EVENT_MODELS = (StreamResponse, ChatCompletionChunk, CompletionResponse, TGIError, OpenAIError)
+EVENT_MODELS = (StreamResponse, ChatCompletionChunk, CompletionResponse, ResponseEvent, TGIError, OpenAIError)
 
 
 def sse_content(*models: str, done: bool = False) -> dict:

@@ -16,11 +16,11 @@ from app.config import Settings, load_settings
 from app.errors import install_error_handlers, refusal_counter
 from app.guards import BodySizeLimit, JSONCORSMiddleware
 from app.openapi import limits_in_openapi
-from app.routes import classify, openai, ops, tgi
+from app.routes import classify, openai, ops, responses, tgi
 from app.service import CoreHandle, Service, lifespan
 
 DESCRIPTION = ("GPT text generation with continuous batching. TGI routes (/generate, /generate_stream, POST /), "
-               "OpenAI routes (/v1/completions, /v1/chat/completions, /v1/models) and vLLM's /tokenize. "
+               "OpenAI routes (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models) and vLLM's /tokenize. "
                "Bodies must be `Content-Type: application/json`.")
 
 
@@ -40,6 +40,7 @@ def create_app(settings: Settings | None = None, *, loaded=None, core: CoreHandl
     app.include_router(ops.router)
     app.include_router(tgi.router)
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(classify.router)
     ops.mount_static(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes, on_refusal=refusal_counter(on_refusal))

@@ -24,6 +24,7 @@ from app.chat_template import ChatTemplate, ChatTemplateError, load_chat_templat
 from app.config import Settings
 from app.errors import ApiError, outcome_labels, status_of
 from app.metrics import Metrics
+from app.responses import ResponseStore
 from app.validation import Limits, Plan
 from engine.client import EngineClient, EngineError, ProcessEngineClient, ThreadEngineClient
 from engine.core_process import CoreConfig, CoreProcess, StartupError, build_core, load_model
@@ -75,6 +76,7 @@ class Service:
         self.started_at = time.time()
         self.api_key = settings.api_key.get_secret_value() if settings.api_key else None
         self.on_engine_dead: Callable[[str], None] | None = None  # set by the launchers: exit non-zero
+        self.responses = ResponseStore(settings.responses_store)  # for previous_response_id
         self.metrics.bind_engine(lambda: self.engine.stats if self.engine else {})
 
     # ---- lifecycle

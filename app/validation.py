@@ -19,6 +19,7 @@ from app.chat_template import ChatTemplate, ChatTemplateError
 from app.errors import invalid
 from app.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from app.protocol.tgi import TGIParameters, TGIRequest
+from app.tools import ToolPlan, named_spec, required_spec
 from engine.request import StructuredSpec, context_problem
 from engine.sampling import GREEDY_TEMPERATURE, MAX_SEED, SamplingParams, bad_token, draw_seed
 from engine.structured_output import GrammarError, Grammars
@@ -62,6 +63,7 @@ class Plan:
     vllm_prompt_logprobs: int | None = None  # OpenAI completions' prompt_logprobs field (vLLM's shape in choices)
     decoder_input_details: bool = False  # TGI: details.prefill
     structured: StructuredSpec | None = None  # the grammar every choice's output follows
+    tools: ToolPlan | None = None  # chat: how replies become tool calls
 
     @property
     def echo_logprobs(self) -> bool:
@@ -323,24 +325,98 @@ def plan_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Limits
 
 
 def message_text(m: ChatMessage) -> str:
+    if m.content is None:
+        return ""
     return m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
 
 
-def render_chat(messages: list[ChatMessage], template: ChatTemplate, add_generation_prompt: bool = True) -> str:
-    rendered = [{"role": m.role, "content": message_text(m), **({"name": m.name} if m.name else {})}
-                for m in messages]
+def message_dict(m: ChatMessage, i: int) -> dict:
+    """A message as chat templates read it (transformers' shape): a call's arguments as an object."""
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        raise invalid(f"messages.{i}.content", "is required (except in an assistant message with tool_calls)")
+    if m.tool_calls and m.role != "assistant":
+        raise invalid(f"messages.{i}.tool_calls", "only assistant messages carry tool calls")
+    out: dict = {"role": m.role, "content": message_text(m), **({"name": m.name} if m.name else {})}
+    if m.tool_calls:
+        calls = []
+        for j, c in enumerate(m.tool_calls):
+            try:
+                args = json.loads(c.function.arguments)
+            except json.JSONDecodeError as e:
+                raise invalid(f"messages.{i}.tool_calls.{j}.function.arguments", f"is not JSON: {e}") from None
+            calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
+        out["tool_calls"] = calls
+    if m.role == "tool":
+        out["tool_call_id"] = m.tool_call_id or ""
+    return out
+
+
+def render_chat(messages: list[ChatMessage], template: ChatTemplate, add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
+    rendered = [message_dict(m, i) for i, m in enumerate(messages)]
+    if not template.renders_tools:
+        bad = next((i for i, m in enumerate(messages) if m.role == "tool" or m.tool_calls), None)
+        if bad is not None:
+            raise invalid(f"messages.{bad}", f"the chat template ({template.origin}) cannot render tool calls or "
+                                             "tool results")
+        tools = None
     try:
-        return template.render(rendered, add_generation_prompt=add_generation_prompt)
+        return template.render(rendered, add_generation_prompt=add_generation_prompt, tools=tools)
     except ChatTemplateError as e:
         raise invalid("messages", str(e)) from None
 
 
-def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits, template: ChatTemplate) -> Plan:
+def plan_tools(req: ChatCompletionRequest, tokenizer: Tokenizer, template: ChatTemplate, parser: str | None
+               ) -> tuple[ToolPlan | None, StructuredSpec | None]:
+    """The request's tools → how replies become calls, and the grammar of a forced call (required / named).
+    Each tool's schema is compiled alone first, so a bad one is refused naming that tool."""
+    tools, choice = req.tools or [], req.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise invalid("tool_choice", "needs tools")
+        return None, None
+    names = [t.function.name for t in tools]
+    if dup := next((n for i, n in enumerate(names) if n in names[:i]), None):
+        raise invalid("tools", f"two functions are named {dup!r}")
+    functions = [t.function.model_dump(exclude_none=True) for t in tools]
+    for i, f in enumerate(functions):
+        if f.get("parameters") is not None:
+            if f["parameters"].get("type", "object") != "object":
+                raise invalid(f"tools.{i}.function.parameters", "must be the JSON schema of an object")
+            check_structured(named_spec(f), tokenizer, f"tools.{i}.function.parameters")
+    choice = choice if choice is not None else "auto"
+    if choice == "none":
+        return None, None
+    if choice == "auto":
+        if parser is None or parser == "none":
+            raise invalid("tool_choice", "auto needs a tool-call parser and this server has none "
+                                         "(GPT_TOOL_CALL_PARSER=none); use required or a named function")
+        if not template.renders_tools:
+            raise invalid("tool_choice", f"auto: the chat template ({template.origin}) cannot show tools to the "
+                                         "model; use required or a named function")
+        return ToolPlan("auto", names, parser), None
+    if (req.response_format is not None and req.response_format.type != "text") or req.structured_outputs is not None:
+        raise invalid("tool_choice", "a forced tool call cannot be combined with response_format or "
+                                     "structured_outputs")
+    if choice == "required":
+        spec = required_spec(functions, req.parallel_tool_calls is not False)
+        return ToolPlan("required", names), check_structured(spec, tokenizer, "tools")
+    if choice.function.name not in names:
+        raise invalid("tool_choice.function.name", f"no tool is named {choice.function.name!r} "
+                                                   f"(the tools: {', '.join(names)})")
+    function = functions[names.index(choice.function.name)]
+    return ToolPlan("named", [function["name"]]), named_spec(function)
+
+
+def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits, template: ChatTemplate,
+              tool_parser: str | None = None) -> Plan:
     stop = check_stop(req.stop, "stop", limits) + [s for s in template.stop if s not in (req.stop or [])]
     top_n = check_top_n(req.top_logprobs, "top_logprobs", limits)
     top_n = top_n if req.logprobs else 0  # top_logprobs counts only with logprobs (OpenAI's rule)
-    structured = openai_structured(req, tokenizer)
-    text = render_chat(req.messages, template)
+    tools, forced = plan_tools(req, tokenizer, template, tool_parser)
+    structured = forced or openai_structured(req, tokenizer)
+    shown = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    text = render_chat(req.messages, template, tools=shown)
     ids = encode(tokenizer, text, "messages", chat=True)
     n = req.n or 1
     check_choices(1, n, limits, "n")
@@ -354,4 +430,5 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits, 
                 sampling=temperature >= GREEDY_TEMPERATURE,
                 n=n, top_n=top_n,
                 stream=bool(req.stream), details=bool(req.logprobs),
-                include_usage=bool(req.stream_options and req.stream_options.include_usage), structured=structured)
+                include_usage=bool(req.stream_options and req.stream_options.include_usage), structured=structured,
+                tools=tools)

@@ -10,6 +10,9 @@ format of the OpenLM write-up (../shared/seeds/004): `You: ...` / `Model: ...` l
 `Model:` and stopped at the next `You:` — so a model trained on plain text (the bundled Shakespeare one) chats
 out of the box.
 
+`tools=` (OpenAI's function tools, as transformers' apply_chat_template passes them) reach the template too; a
+template that reads `tools` can show them to the model (`renders_tools`).
+
 Chat fine-tuning (training/finetune.py --task chat) renders conversations with SFT_TEMPLATE unless given
 another template: role tokens `<|system|>`, `<|user|>`, `<|assistant|>` (special tokens the fine-tune adds to
 the tokenizer), the message, and `<|endoftext|>` closing every message, so a reply ends where the engine
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # The transcript format: system text first, then one line per turn.
@@ -44,14 +48,28 @@ TRANSCRIPT_ORIGIN = "default (You: / Model: transcript)"  # a checkpoint without
 # Every boundary between what the model reads and what it learns is a special token or a "\n" before
 # non-blank text (trim), both of which split GPT-2's pre-tokenization: a whole conversation tokenizes to the
 # concatenation of its parts' tokens, so training sees exactly the ids a served prompt and its reply have.
+# Tools (transformers' `tools=`) are Hermes' layout without new special tokens: a system message listing each
+# function's JSON, an assistant's calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` lines after
+# its text, and a tool's result as a user message in <tool_response> tags; without tools it renders as before.
 SFT_TEMPLATE = (
+    "{%- if tools -%}{{ '<|system|>\\nYou may call these functions. To call one, answer with "
+    "<tool_call>{\\\"name\\\": <name>, \\\"arguments\\\": <arguments>}</tool_call>.' }}"
+    "{%- for t in tools -%}{{ '\\n' ~ ((t.function if t.function is defined else t) | tojson) }}{%- endfor -%}"
+    "{{ eos_token }}{%- endif -%}"
     "{%- for m in messages -%}"
     "{%- if m.role in ('system', 'developer') -%}{{ '<|system|>\\n' }}"
-    "{%- elif m.role == 'user' -%}{{ '<|user|>\\n' }}"
+    "{%- elif m.role in ('user', 'tool') -%}{{ '<|user|>\\n' }}"
     "{%- elif m.role == 'assistant' -%}{{ '<|assistant|>\\n' }}"
-    "{%- else -%}{{ raise_exception('unknown role ' ~ m.role ~ ' (expected system, user or assistant)') }}"
+    "{%- else -%}{{ raise_exception('unknown role ' ~ m.role ~ ' (expected system, user, assistant or tool)') }}"
     "{%- endif -%}"
-    "{{ m.content | trim }}{{ eos_token }}"
+    "{%- if m.role == 'tool' -%}{{ '<tool_response>\\n' ~ (m.content | trim) ~ '\\n</tool_response>' }}"
+    "{%- else -%}{{ (m.content or '') | trim }}{%- endif -%}"
+    "{%- for tc in (m.tool_calls or []) -%}"
+    "{%- set f = tc.function if tc.function is defined else tc -%}"
+    "{{ ('\\n' if not loop.first or (m.content or '') | trim else '') ~ '<tool_call>' }}"
+    "{{ {'name': f.name, 'arguments': f.arguments} | tojson }}{{ '</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ eos_token }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
 )
@@ -79,15 +97,19 @@ class ChatTemplate:
     def __post_init__(self) -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False)
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = _tojson
         try:
             self._template = env.from_string(self.source)
+            # the template reads `tools` (as transformers passes them): it can show functions to the model
+            self.renders_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(self.source))
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template {self.origin}: {type(e).__name__}: {e}") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+               ) -> str:
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+                                         bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
@@ -96,6 +118,11 @@ class ChatTemplate:
 
 def _raise(message: str):
     raise ChatTemplateError(message)
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False):
+    """transformers' `tojson` for chat templates: plain JSON (Jinja's own escapes <, >, & and ' for HTML)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def template_special_tokens(template: ChatTemplate) -> list[str]:

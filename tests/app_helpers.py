@@ -63,10 +63,11 @@ def free_port() -> int:
 class LiveServer:
     """uvicorn serving an app in a thread of this process (so tests can reach the engine)."""
 
-    def __init__(self, app, server_cls=None) -> None:
+    def __init__(self, app, server_cls=None, start_timeout: float = 15.0) -> None:
         import uvicorn
 
         self.app = app
+        self.start_timeout = start_timeout  # loading a real checkpoint on a busy 2-core machine takes longer
         self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
                                 timeout_graceful_shutdown=5)
@@ -82,7 +83,7 @@ class LiveServer:
         import httpx
 
         self.thread.start()
-        end = time.monotonic() + 15
+        end = time.monotonic() + self.start_timeout
         while time.monotonic() < end:
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:

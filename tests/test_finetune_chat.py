@@ -155,8 +155,18 @@ def test_prompt_completion_forms(chat_tok):
     ('{"text": "a"}', ':2: expected "messages" (or "prompt" and "completion")'),
     ('{"messages": []}', ":2: messages must be a non-empty list of messages"),
     ('{"messages": [{"role": "user", "content": "a"}]}', ":2: no assistant turn (nothing to learn)"),
-    ('{"messages": [{"role": "tool", "content": "a"}]}', ":2: messages[0]: unknown role 'tool' (expected system, "
-                                                         "user or assistant)"),
+    ('{"messages": [{"role": "bot", "content": "a"}]}', ":2: messages[0]: unknown role 'bot' (expected system, "
+                                                        "user, assistant or tool)"),
+    ('{"messages": [{"role": "user", "content": "a", "tool_calls": [{"function": {"name": "f"}}]}]}',
+     ":2: messages[0]: only assistant messages carry tool_calls"),
+    ('{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]}',
+     ":2: messages[0].tool_calls[0]: arguments are not JSON"),
+    ('{"messages": [{"role": "assistant", "tool_calls": [{"type": "function"}]}]}',
+     ':2: messages[0].tool_calls[0]: expected {"type": "function", "function": {"name": ..., "arguments": ...}}'),
+    ('{"tools": [{"type": "web_search"}], "messages": [{"role": "assistant", "content": "a"}]}',
+     ':2: tools[0]: expected {"type": "function"'),
+    ('{"parallel_tool_calls": 1, "messages": [{"role": "assistant", "content": "a"}]}',
+     ":2: parallel_tool_calls must be true or false"),
     ('{"messages": [{"content": "a"}]}', ":2: messages[0]: unknown role None"),
     ('{"messages": [{"role": "user", "content": null}]}', ":2: messages[0]: content must be a string, got NoneType"),
     ('{"messages": [{"role": "user", "content": "a", "weight": 0}]}', ":2: messages[0]: weight is for assistant "
@@ -171,6 +181,33 @@ def test_bad_lines_are_one_line_naming_file_and_line(tmp_path, files, capsys, li
     err = one_line_error(capsys, lambda: finetune(files, tmp_path / "o", "--init-from", str(files["base"]), train=bad))
     assert err.startswith("python -m training.finetune: error: ")
     assert f"{bad}{message}" in err
+
+
+TOOL_LINE = {
+    "tools": [{"type": "function", "function": {"name": "find", "description": "look up",
+                                                "parameters": {"type": "object", "properties": {"who": {
+                                                    "type": "string"}}}}}],
+    "parallel_tool_calls": False,
+    "messages": [{"role": "user", "content": "who"},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": "c1", "type": "function", "function": {"name": "find", "arguments": '{"who": "he"}'}}]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "the hat"},
+                 {"role": "assistant", "content": "a cat"}]}
+
+
+def test_tool_calls_are_learned_as_replies(tmp_path, chat_tok):
+    """OpenAI's fine-tuning lines with tools: the template shows the tools (context), the assistant's call is
+    learned as its reply is (the call's text and the end of turn), the tool's result is context."""
+    f = write_jsonl(tmp_path / "t.jsonl", [TOOL_LINE])
+    with TokenDir() as wd:
+        data = encode_chat_file(f, sft_encoder(chat_tok), 400, "drop", wd)
+    row = data.example(0)
+    ids, learn = (row & 0x7FFFFFFF).tolist(), (row >> 31).astype(bool).tolist()
+    text = chat_tok.decode(ids)
+    assert text.startswith('<|system|>\nYou may call these functions.') and '"name": "find"' in text
+    learned = chat_tok.decode([i for i, f in zip(ids, learn) if f])
+    assert learned == f'<tool_call>{{"name": "find", "arguments": {{"who": "he"}}}}</tool_call>{EOT}a cat{EOT}'
+    assert "<tool_response>\nthe hat\n</tool_response>" in text
 
 
 def test_overlong_conversations_are_dropped_or_truncated_and_counted(tmp_path, chat_tok):
@@ -321,3 +358,45 @@ def test_round_trip_fine_tune_serve_export_transformers(tmp_path, files):
         assert hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=False) == template.render(conv)
     assert json.loads((hf_dir / "generation_config.json").read_text())["eos_token_id"] == [ck.tokenizer.eot_id]
     assert hf.eos_token == EOT and hf.convert_tokens_to_ids("<|assistant|>") == 261
+
+
+def test_tool_calls_round_trip_fine_tune_serve_transformers(tmp_path, files):
+    """A fine-tune on tool-calling lines carries a template that renders tools: the server takes tool_choice auto
+    and parses a Hermes call (here forced by a regex: a 2-step model writes none of its own), /tokenize renders
+    tool history as training did, and transformers' apply_chat_template(tools=...) renders what we render."""
+    from tests.app_helpers import app_client
+
+    ranks = files["ranks"]
+    tok = Tokenizer.from_ranks_file(ranks)
+    base = save_checkpoint(tmp_path / "base", tiny_model(seed=0, vocab_size=tok.vocab_size, block_size=512), tok,
+                           tokenizer_file=ranks)
+    train = write_jsonl(tmp_path / "t.jsonl", [TOOL_LINE] * 8)
+    out = tmp_path / "run"
+    assert finetune(files, out, "--init-from", str(base), *sets("max_iters=2", "eval_interval=2", "batch_size=2"),
+                    train=train, val=train) == 0
+    ck_dir = out / "best"
+    template = load_chat_template(ck_dir, EOT)
+    assert template.renders_tools
+    tools, history = TOOL_LINE["tools"], TOOL_LINE["messages"][:3]
+    regex = r'<tool_call>\{"name": "find", "arguments": \{"who": "[a-z]{1,4}"\}\}</tool_call>'
+    with app_client(ck_dir) as client:
+        r = client.post("/v1/chat/completions", json={"messages": history[:1], "tools": tools, "max_tokens": 120,
+                                                      "seed": 1, "structured_outputs": {"regex": regex}})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["find"]
+        assert set(json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])) == {"who"}
+        ids = client.post("/tokenize", json={"messages": history}).json()["tokens"]
+    rendered = [Message("user", "who").as_dict(), {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "find", "arguments": {"who": "he"}}}]},
+        {"role": "tool", "content": "the hat", "tool_call_id": "c1"}]
+    ck = load_checkpoint(ck_dir)
+    assert ids == ck.tokenizer.encode_chat(template.render(rendered))  # /tokenize takes no tools: none rendered
+
+    transformers = pytest.importorskip("transformers")
+    from model.export_hf import export
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(export(ck_dir, tmp_path / "hf")))
+    assert hf.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=False) == \
+        template.render(rendered, tools=tools)

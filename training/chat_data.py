@@ -8,8 +8,12 @@ One JSON object per line (blank lines are skipped), either
     {"prompt": [messages...], "completion": [messages...]}   → TRL's form: only the completion's replies learned
 
 `weight` (assistant messages only; default 1) is OpenAI's: 0 keeps a reply as context without learning it.
-Other keys ("name", "tools", ...) are ignored. Every problem is one line naming FILE:LINE (ChatDataError): not
-JSON, not an object, no messages, an unknown role, content that is not a string, no assistant reply to learn.
+Tool calling, as OpenAI's fine-tuning format has it: a line's `tools` (function tools, rendered by the template as
+the server renders a request's), assistant messages with `tool_calls` (content may then be null; the calls are
+learned as the reply), `tool` messages with the results, and `parallel_tool_calls` (a boolean, read and checked:
+the calls in the data are what is learned). Other keys ("name", ...) are ignored. Every problem is one line naming
+FILE:LINE (ChatDataError): not JSON, not an object, no messages, an unknown role, content that is not a string, a
+malformed tool or call, no assistant reply to learn.
 
 A conversation longer than the context (block_size + 1 tokens: inputs and shifted targets) is dropped, or with
 `overlong = "truncate"` cut to its first block_size + 1 tokens (kept if a learned token remains); both are
@@ -26,6 +30,7 @@ conversation, not block_size; padding positions are no target (-1).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -42,7 +47,7 @@ from model.chat_template import ChatTemplateError
 from training.chat_encoding import ChatEncoder, ChatEncodingError, Message
 from training.jsonl import parse_line
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 LEARN_BIT = np.uint32(1 << 31)
 ID_MASK = np.uint32((1 << 31) - 1)
 OVERLONG = ("drop", "truncate")
@@ -63,20 +68,75 @@ def _messages(value: Any, what: str, weight_default: int | None = None) -> list[
             raise ValueError(f"{where} must be an object with role and content, got {type(m).__name__}")
         role = m.get("role")
         if role not in ROLES:
-            raise ValueError(f"{where}: unknown role {role!r} (expected system, user or assistant)")
-        if "tool_calls" in m or "function_call" in m:
-            raise ValueError(f"{where}: tool and function calls are not supported")
+            raise ValueError(f"{where}: unknown role {role!r} (expected system, user, assistant or tool)")
+        if "function_call" in m:
+            raise ValueError(f"{where}: function_call (OpenAI's deprecated form) is not supported; use tool_calls")
+        calls = _tool_calls(m["tool_calls"], where) if m.get("tool_calls") is not None else None
+        if calls and role != "assistant":
+            raise ValueError(f"{where}: only assistant messages carry tool_calls")
         content = m.get("content")
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise ValueError(f"{where}: content must be a string, got {type(content).__name__}")
+        call_id = m.get("tool_call_id")
+        if role == "tool" and call_id is not None and not isinstance(call_id, str):
+            raise ValueError(f"{where}: tool_call_id must be a string")
         weight = m.get("weight", 1 if weight_default is None else weight_default)
         if "weight" in m:
             if role != "assistant":
                 raise ValueError(f"{where}: weight is for assistant messages only")
             if type(weight) not in (int, float) or weight not in (0, 1):
                 raise ValueError(f"{where}: weight must be 0 or 1, got {weight!r}")
-        out.append(Message(role, content, int(weight) if role == "assistant" else 0))
+        out.append(Message(role, content, int(weight) if role == "assistant" else 0, calls,
+                           call_id if role == "tool" else None))
     return out
+
+
+def _tool_calls(value: Any, where: str) -> list[dict]:
+    """An assistant's tool_calls → calls as templates read them (arguments parsed: JSON text or an object)."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: tool_calls must be a non-empty list")
+    out = []
+    for j, c in enumerate(value):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ValueError(f"{where}.tool_calls[{j}]: expected {{\"type\": \"function\", \"function\": "
+                             "{\"name\": ..., \"arguments\": ...}}")
+        args = f.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}.tool_calls[{j}]: arguments are not JSON: {e}") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"{where}.tool_calls[{j}]: arguments must be a JSON object")
+        out.append({"id": c.get("id") or f"call_{j}", "type": "function",
+                    "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
+def parse_tools(obj: Any) -> list[dict] | None:
+    """A line's `tools` (OpenAI's function tools) as the template reads them; None without; ValueError (one phrase)
+    when malformed. `parallel_tool_calls` is checked too (a boolean)."""
+    if not isinstance(obj, dict):
+        return None
+    if "parallel_tool_calls" in obj and not isinstance(obj["parallel_tool_calls"], bool):
+        raise ValueError("parallel_tool_calls must be true or false")
+    tools = obj.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ValueError("tools must be a list")
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict) \
+                or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ValueError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                             "\"parameters\": ...}}}}")
+        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+            raise ValueError(f"tools[{i}]: parameters must be a JSON schema object")
+    return tools
 
 
 def parse_conversation(obj: Any) -> list[Message]:
@@ -149,7 +209,7 @@ def encode_chat_file(path: str | Path, encoder: ChatEncoder, block_size: int, ov
             if obj is None:
                 continue
             try:
-                ids, learn = encoder.encode(parse_conversation(obj))
+                ids, learn = encoder.encode(parse_conversation(obj), tools=parse_tools(obj))
             except (ValueError, ChatTemplateError, ChatEncodingError) as e:
                 raise ChatDataError(f"{where}: {e}") from None
             stats["conversations"] += 1

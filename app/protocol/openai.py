@@ -117,12 +117,63 @@ class TextPart(BaseModel):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="1-64 letters, digits, _ or -")]
+MAX_TOOLS = 128  # functions per request
+
+
+class FunctionCall(BaseModel):
+    model_config = STRICT
+    name: FunctionName
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(BaseModel):
+    """An assistant message's call (in the history, as the client got it back)."""
+
+    model_config = STRICT
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(max_length=64)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(max_length=64)] | None = Field(
+        None, description="required except in an assistant message with tool_calls")
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="assistant messages: the calls it made")
+    tool_call_id: str | None = Field(None, max_length=256, description="tool messages: the call this answers")
+
+
+class FunctionDef(BaseModel):
+    model_config = STRICT
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of an object (default: no arguments)")
+    strict: bool | None = Field(None, description="accepted; calls always follow the schema when forced")
+
+
+class ChatTool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -133,9 +184,13 @@ class ChatCompletionRequest(SamplingFields):
                                               "much as the context and the server's GPT_DEFAULT_MAX_NEW_TOKENS allow")
     logprobs: bool | None = Field(None, description="return the chosen tokens' log-probabilities")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (with logprobs)")
-    tools: only_off(list, [], "tools are not supported", {"maxItems": 0}) = None
-    tool_choice: only_off(str, "none", "tools are not supported", {"enum": ["none", None]}) = None
-    parallel_tool_calls: bool | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="functions the model may call (see tool_choice)")
+    tool_choice: ToolChoice | None = Field(
+        None, description="required / a named function: decoding is constrained to a call that follows the "
+        "function's parameters schema; auto (the default with tools): the chat template shows the tools and the "
+        "server's tool-call parser finds calls in the reply; none: no calls")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (with tool_choice required)")
     functions: null_only("functions are not supported") = None
 
 
@@ -219,14 +274,15 @@ class ChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, description="present when the model called tools")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletionResponse(BaseModel):
@@ -239,16 +295,31 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed call: its first chunk has id, type and name (arguments ""), the next ones argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
     logprobs: ChoiceLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletionChunk(BaseModel):

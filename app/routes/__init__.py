@@ -3,6 +3,7 @@
 
 - `app.routes.tgi`     /generate, /generate_stream, POST /
 - `app.routes.openai`  /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize
+- `app.routes.responses`  /v1/responses (OpenAI's Responses API, over the chat path)
 - `app.routes.ops`     /health, /live, /info, /metrics, the playground page, offline /docs
 """
 

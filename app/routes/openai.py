@@ -28,6 +28,7 @@ from app.protocol.openai import (
 )
 from app.routes import ServiceDep, admit, authorized
 from app.streaming import DONE, answer, merged, sse
+from app.tools import CallStream
 from app.validation import Plan, check_ids, plan_chat, plan_completion, render_chat
 from engine.output_processor import Failed, PromptOut, PromptToken, RequestState, TokenOut
 from engine.stopping import FinishReason
@@ -232,16 +233,24 @@ def chat_logprobs(tokens: list[TokenOut]) -> dict:
     return {"content": out}
 
 
+def chat_finish(reason: FinishReason, calls: CallStream | None) -> str:
+    """A reply that called tools ends with tool_calls, unless max_tokens cut it."""
+    if calls is not None and calls.tool_calls and reason != FinishReason.LENGTH:
+        return "tool_calls"
+    return finish(reason)
+
+
 @router.post("/v1/chat/completions", summary="OpenAI-compatible chat: messages through the checkpoint's chat "
-             "template (or the You:/Model: transcript)",
+             "template (or the You:/Model: transcript); tools",
              responses={200: {"model": ChatCompletionResponse,
                               "content": sse_content("ChatCompletionChunk", "OpenAIError", done=True)}, **ERRORS},
              dependencies=[Depends(json_only)])
 async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep) -> Response:
-    size = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
+    size = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or [])
                for m in body.messages)
-    plan, reqs = await admit(service, lambda: plan_chat(body, service.tokenizer, service.limits,
-                                                         service.chat_template), size, offload=structured(body))
+    plan, reqs = await admit(service, lambda: plan_chat(body, service.tokenizer, service.limits, service.chat_template,
+                                                         service.settings.tool_call_parser), size,
+                             offload=structured(body) or bool(body.tools))
     cid, path = f"chatcmpl-{uuid.uuid4().hex}", request.url.path
     lstrip = service.chat_template.lstrip_reply
     stream = (chat_events(Reply("chat.completion.chunk", cid, service.model_name(), plan, path), reqs, lstrip)
@@ -253,10 +262,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
     for index in sorted(results):
         tokens = results[index]
         fin = tokens[-1].finished
-        choices.append({"index": index, "message": {"role": "assistant",
-                                                    "content": fin.text.lstrip() if lstrip else fin.text},
+        text = fin.text.lstrip() if lstrip else fin.text
+        message: dict = {"role": "assistant", "content": text}
+        calls = plan.tools.calls() if plan.tools else None
+        if calls is not None:
+            calls.feed(text)
+            calls.close()
+            message["content"] = calls.content
+            if calls.tool_calls:
+                message["tool_calls"] = calls.tool_calls
+        choices.append({"index": index, "message": message,
                         "logprobs": chat_logprobs(tokens) if plan.details else None,
-                        "finish_reason": finish(fin.finish_reason)})
+                        "finish_reason": chat_finish(fin.finish_reason, calls)})
     reply = Reply("chat.completion", cid, service.model_name(), plan, path)
     return JSONResponse(reply.body(choices, usage=total_usage(results, plan)))
 
@@ -271,6 +288,7 @@ async def chat_events(reply: Reply, reqs: list[tuple[int, RequestState]], lstrip
     for index, _ in reqs:
         yield chunk(index, {"role": "assistant", "content": ""}, None, None)
     started = {index: not lstrip for index, _ in reqs}  # the transcript's reply starts after "Model:" + space
+    readers = {index: plan.tools.calls() for index, _ in reqs} if plan.tools else {}
     done: dict[int, list[TokenOut]] = {}
     async for index, item in merged(reqs):
         if isinstance(item, Failed):
@@ -282,13 +300,21 @@ async def chat_events(reply: Reply, reqs: list[tuple[int, RequestState]], lstrip
             text = text.lstrip()
             started[index] = bool(text)
         fin = item.finished
+        logprobs = chat_logprobs([item]) if plan.details else None
+        calls = readers.get(index)
+        if calls is None:  # every token its chunk (the last one's text may be empty: it completed a stop string)
+            deltas = [{"content": text}] if text or fin is None else []
+        else:
+            deltas = calls.feed(text)
         if fin is not None:
             done[index] = [item]
-            if not text:  # the last token released nothing (it completed a stop string, or is a stop token id)
-                yield chunk(index, {}, chat_logprobs([item]) if plan.details else None, finish(fin.finish_reason))
-                continue
-        yield chunk(index, {"content": text}, chat_logprobs([item]) if plan.details else None,
-                    finish(fin.finish_reason) if fin else None)
+            deltas += calls.close() if calls is not None else []
+        if not deltas and (fin is not None or logprobs is not None):
+            deltas = [{}]  # nothing released (a stop string, a held-back tag), but the end or the token's logprobs
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            yield chunk(index, delta, logprobs if k == 0 else None,
+                        chat_finish(fin.finish_reason, calls) if fin is not None and last else None)
     for event in reply.end(done, len(reqs)):
         yield event
 

@@ -111,7 +111,7 @@ def test_client_disconnect_mid_stream_frees_the_slot(live):
             assert engine.n_running == 1
         # the connection is closed: the slot is freed and the request counted as cancelled (a request that ran its
         # 100 tokens would count as finished by length); no wall-clock bound, which a loaded CI machine can miss
-        wait_until(lambda: engine.n_running == 0, timeout=10.0)
+        wait_until(lambda: engine.n_running == 0)
         assert 'finish_reason="cancelled",status="499"} 1.0' in httpx.get(live.url + "/metrics").text
     finally:
         restore()
@@ -124,7 +124,7 @@ def test_client_disconnect_while_waiting_for_a_plain_response(live):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(live.url + "/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 100}},
                        timeout=0.3)
-        wait_until(lambda: engine.n_running == 0, timeout=10.0)
+        wait_until(lambda: engine.n_running == 0)
         assert 'finish_reason="cancelled",status="499"} 2.0' in httpx.get(live.url + "/metrics").text
     finally:
         restore()

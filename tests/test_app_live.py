@@ -17,6 +17,7 @@ import pytest
 from tests.app_helpers import (
     LiveServer,
     free_port,
+    hang_up_when,
     make_app,
     reference_generate,
     slow_core_env,
@@ -97,35 +98,40 @@ def test_concurrent_streams_interleave(live):
     assert asyncio.run(fire()) == [solo] * 6
 
 
-def test_client_disconnect_mid_stream_frees_the_slot(live):
-    engine = live.engine
-    restore = slow_model(engine, 0.01)
-    try:
-        with httpx.stream("POST", live.url + "/generate_stream", timeout=30,
-                          json={"inputs": "a", "parameters": {"max_new_tokens": 100}}) as r:
-            seen = 0
-            for line in r.iter_lines():
-                seen += line.startswith("data:")
-                if seen == 3:
-                    break
-            assert engine.n_running == 1
-        # the connection is closed: the slot is freed and the request counted as cancelled (a request that ran its
-        # 100 tokens would count as finished by length); no wall-clock bound, which a loaded CI machine can miss
-        wait_until(lambda: engine.n_running == 0)
-        assert 'finish_reason="cancelled",status="499"} 1.0' in httpx.get(live.url + "/metrics").text
-    finally:
-        restore()
+TGI_LONG = {"inputs": "a", "parameters": {"max_new_tokens": 100}}  # greedy: no EOS within its 100 tokens
+OPENAI_LONG = {"max_tokens": 100, "ignore_eos": True}
+LONG = [
+    ("/generate", TGI_LONG),
+    ("/generate_stream", TGI_LONG),
+    ("/", TGI_LONG),
+    ("/", {**TGI_LONG, "stream": True}),
+    ("/v1/completions", {"prompt": "a", **OPENAI_LONG}),
+    ("/v1/completions", {"prompt": "a", **OPENAI_LONG, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], **OPENAI_LONG}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], **OPENAI_LONG, "stream": True}),
+]
 
 
-def test_client_disconnect_while_waiting_for_a_plain_response(live):
+@pytest.mark.parametrize("path,body", LONG, ids=[p + (" stream" if p == "/generate_stream" or b.get("stream") else "")
+                                                 for p, b in LONG])
+def test_a_client_disconnect_on_any_generating_route_cancels_the_request(live, path, body):
+    """The client hangs up once its request runs (plain or streamed): the slot is freed, the request is counted
+    cancelled (499) and the engine stops generating for it well before its 100 tokens (10 ms a step)."""
     engine = live.engine
+    series = 'gpt_requests_total{finish_reason="cancelled",status="499"}'
+
+    def cancelled() -> float:
+        line = next((x for x in httpx.get(live.url + "/metrics").text.splitlines() if x.startswith(series + " ")),
+                    None)
+        return 0.0 if line is None else float(line.split()[-1])
+
+    before, generated = cancelled(), engine.stats["generated_tokens"]
     restore = slow_model(engine, 0.01)
     try:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(live.url + "/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 100}},
-                       timeout=0.3)
+        hang_up_when(live.url, path, body, lambda: engine.stats["generated_tokens"] > generated)
         wait_until(lambda: engine.n_running == 0)
-        assert 'finish_reason="cancelled",status="499"} 2.0' in httpx.get(live.url + "/metrics").text
+        assert engine.stats["generated_tokens"] - generated < 100
+        wait_until(lambda: cancelled() == before + 1)
     finally:
         restore()
     assert httpx.post(live.url + "/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 3}}

@@ -82,7 +82,7 @@ class LiveServer:
         import httpx
 
         self.thread.start()
-        end = time.monotonic() + 15
+        end = time.monotonic() + 60  # only against a hang: a loaded host starts slowly
         while time.monotonic() < end:
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:

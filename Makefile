@@ -11,7 +11,7 @@ ifneq ($(wildcard $(SHARED_TIKTOKEN)),)
 export TIKTOKEN_CACHE_DIR ?= $(SHARED_TIKTOKEN)
 endif
 
-.PHONY: install test test-slow test-ci-slow lint serve bench bench-peers gpu-check clean
+.PHONY: install test test-slow lint serve bench bench-peers gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,7 @@ test-slow: install
 
 # CI's bounded slow tier (.ci/run): the playground in Debian's chromium and three replicas behind Debian's nginx
 # (rolling restart, a SIGKILL). Installs both with apt when missing (CI runs as root), so neither is skipped.
+.PHONY: test-ci-slow
 CI_SLOW_TESTS := tests/test_browser.py tests/test_replicas.py
 test-ci-slow: install
 	command -v nginx >/dev/null && command -v chromium >/dev/null || { apt-get update -q && \

@@ -40,6 +40,16 @@ test-slow: install
 	$(PY) -m pip install -q -e ".[browser,conformance,eval]"
 	$(PY) -m pytest -m slow -q
 
+# CI's bounded slow tier (.ci/run): the playground in Debian's chromium and three replicas behind Debian's nginx
+# (rolling restart, a SIGKILL). Installs both with apt when missing (CI runs as root), so neither is skipped.
+.PHONY: test-ci-slow
+CI_SLOW_TESTS := tests/test_browser.py tests/test_replicas.py
+test-ci-slow: install
+	command -v nginx >/dev/null && command -v chromium >/dev/null || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nginx chromium; }
+	$(PY) -m pip install -q -e ".[browser]"
+	$(PY) -m pytest -m slow -q -rs $(CI_SLOW_TESTS)
+
 lint: install
 	$(PY) -m ruff check .
 	$(VENV)/bin/hadolint Dockerfile

@@ -63,7 +63,7 @@ def free_port() -> int:
 class LiveServer:
     """uvicorn serving an app in a thread of this process (so tests can reach the engine)."""
 
-    def __init__(self, app, server_cls=None, start_timeout: float = 15.0) -> None:
+    def __init__(self, app, server_cls=None, start_timeout: float = 60.0) -> None:
         import uvicorn
 
         self.app = app
@@ -83,7 +83,7 @@ class LiveServer:
         import httpx
 
         self.thread.start()
-        end = time.monotonic() + self.start_timeout
+        end = time.monotonic() + self.start_timeout  # only against a hang: a loaded host starts slowly
         while time.monotonic() < end:
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
@@ -132,12 +132,35 @@ def reference_generate(ckpt: Path, prompt: str, **params):
         return generate(c.model, c.tokenizer, [c.tokenizer.encode(prompt)], SamplingParams(**params))[0]
 
 
-def wait_until(cond, timeout=5.0, step=0.005) -> float:
+def wait_until(cond, timeout=60.0, step=0.005) -> float:
+    """Poll until `cond()` holds; the timeout only ends a hang (a loaded host is slow, never wrong)."""
     t0 = time.monotonic()
     while not cond():
         assert time.monotonic() - t0 < timeout, "condition not reached"
         time.sleep(step)
     return time.monotonic() - t0
+
+
+SLOW_CORE = REPO / "tests" / "slow_core"
+
+
+def slow_core_env(seconds: float) -> dict:
+    """The environment for `start_app_process` whose engine core sleeps `seconds` before each forward pass
+    (tests/slow_core/sitecustomize.py): a request there outlasts the way of an abort from the front to the core."""
+    path = os.pathsep.join(p for p in (str(SLOW_CORE), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "GPT_TEST_STEP_DELAY_S": str(seconds)}
+
+
+def hang_up_when(url: str, path: str, body: dict, cond, timeout: float = 60.0) -> None:
+    """POST `body` on a connection of its own, wait until `cond()` holds (the request is running), then close the
+    connection without reading the reply: a client that goes away mid-request, at a moment the test chooses."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(head + data)
+        wait_until(cond, timeout=timeout)
 
 
 def start_app_process(ckpt: Path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:

@@ -10,7 +10,15 @@ import time
 import pytest
 import torch
 
-from tests.app_helpers import app_client, make_app, reference_generate, slow_model, sse_events, wait_ready
+from tests.app_helpers import (
+    app_client,
+    make_app,
+    reference_generate,
+    slow_model,
+    sse_events,
+    wait_ready,
+    wait_until,
+)
 from tests.helpers import BLOCK
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
@@ -534,19 +542,71 @@ def test_non_json_content_type_is_415(client, route, content_type):
 
 
 # ------------------------------------------------------------------------------------------- auth, CORS
-def test_api_key_guards_generation_routes_only(tiny_ckpt):
+CHAT = [{"role": "user", "content": "hi"}]
+# every route that generates, as (path, body): each documents 401 and 504 (the table test below checks that)
+GENERATING = [
+    ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": 2}}),
+    ("/generate_stream", {"inputs": "a", "parameters": {"max_new_tokens": 2}}),
+    ("/", {"inputs": "a", "parameters": {"max_new_tokens": 2}}),
+    ("/", {"inputs": "a", "parameters": {"max_new_tokens": 2}, "stream": True}),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 2, "stream": True}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "stream": True}),
+]
+# every route behind the API key, as (method, path, body, the status with the key)
+GUARDED = [("POST", path, body, 200) for path, body in GENERATING] + [
+    ("GET", "/v1/models", None, 200), ("GET", "/tokenizer_info", None, 200),
+    ("POST", "/tokenize", {"prompt": "a"}, 200), ("POST", "/detokenize", {"tokens": [97]}, 200),
+    ("POST", "/classify", {"inputs": "a"}, 404),  # past the key, the tiny checkpoint's "no task head"
+]
+
+
+def is_stream(path: str, body: dict | None) -> bool:
+    return path == "/generate_stream" or bool((body or {}).get("stream"))
+
+
+def route_id(*case) -> str:
+    path, body = next((c, case[i + 1]) for i, c in enumerate(case) if isinstance(c, str) and c.startswith("/"))
+    return path + (" stream" if is_stream(path, body) else "")
+
+
+def metric(client, series: str) -> float:
+    """One series' value from /metrics (0 before its first count)."""
+    line = next((x for x in client.get("/metrics").text.splitlines() if x.startswith(series + " ")), None)
+    return 0.0 if line is None else float(line.split()[-1])
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_ckpt):
     with app_client(tiny_ckpt, api_key="s3cret") as c:
-        body = {"inputs": "a", "parameters": {"max_new_tokens": 2}}
-        for route, payload in [("/generate", body), ("/generate_stream", body), ("/", body),
-                               ("/v1/completions", {"prompt": "a", "max_tokens": 2})]:
-            assert_error(c.post(route, json=payload), 401, error_type="unauthorized")
-            assert_error(c.post(route, json=payload, headers={"Authorization": "Bearer nope"}), 401)
-            assert c.post(route, json=payload, headers={"Authorization": "Bearer s3cret"}).status_code == 200
-        assert c.get("/v1/models").status_code == 401
-        assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
-        for route in ("/health", "/info", "/metrics", "/"):
-            assert c.get(route).status_code == 200, route
-        assert c.get("/info").json()["api_key_required"] is True
+        yield c
+
+
+@pytest.mark.parametrize("method,path,body,ok", GUARDED, ids=[route_id(*c) for c in GUARDED])
+def test_every_guarded_route_refuses_a_missing_or_wrong_key_with_401(keyed, method, path, body, ok):
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic s3cret"}):
+        assert_error(keyed.request(method, path, json=body, headers=headers), 401, error_type="unauthorized")
+    assert keyed.request(method, path, json=body, headers={"Authorization": "Bearer s3cret"}).status_code == ok
+
+
+def test_operations_routes_stay_open_with_a_key_set(keyed):
+    for route in ("/health", "/live", "/info", "/metrics", "/"):
+        assert keyed.get(route).status_code == 200, route
+    assert keyed.get("/info").json()["api_key_required"] is True
+
+
+def test_the_refusal_tables_are_every_route_that_documents_the_refusal(client):
+    """GUARDED and GENERATING above are the routes whose OpenAPI entry lists 401 / 504: a new route that can
+    refuse joins the parametrised tests or this fails."""
+    paths = client.app.openapi()["paths"]
+
+    def documented(status: str) -> set:
+        return {(method.upper(), path) for path, ops in paths.items() for method, op in ops.items()
+                if status in op["responses"]}
+
+    assert documented("401") == {(method, path) for method, path, _, _ in GUARDED}
+    assert documented("504") == {("POST", path) for path, _ in GENERATING}
 
 
 def test_cors(tiny_ckpt, client):
@@ -574,9 +634,7 @@ def test_admission_takes_slots_plus_queue_then_gives_429(tiny_ckpt):
             i, c.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 3}}))) for i in range(4)]
         for t in threads:
             t.start()
-        end = time.monotonic() + 5
-        while engine.n_queued < 4 and time.monotonic() < end:
-            time.sleep(0.005)
+        wait_until(lambda: engine.n_queued == 4, timeout=60)  # the bound only ends a hang
         r = c.post("/generate", json={"inputs": "b", "parameters": {"max_new_tokens": 3}})
         assert_error(r, 429, error_type="overloaded")
         assert r.headers["retry-after"] == "1"
@@ -597,9 +655,7 @@ def test_a_request_of_several_choices_is_refused_whole_when_they_do_not_all_fit(
         t = threading.Thread(target=lambda: held.setdefault("r", c.post("/v1/completions", json={
             "prompt": "a", "max_tokens": 3, "n": 3})))
         t.start()
-        end = time.monotonic() + 5
-        while engine.n_queued < 3 and time.monotonic() < end:
-            time.sleep(0.005)
+        wait_until(lambda: engine.n_queued == 3, timeout=60)  # the bound only ends a hang
         r = c.post("/v1/completions", json={"prompt": "b", "max_tokens": 3, "n": 2})
         assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded"
         assert engine.n_in_flight == 3
@@ -614,10 +670,8 @@ def test_a_request_of_several_choices_is_refused_whole_when_they_do_not_all_fit(
 def test_time_limit_ends_with_an_error(tiny_ckpt):
     with app_client(tiny_ckpt, request_timeout_s=0.3) as c:
         engine = engine_of(c)
-        engine.pause()  # stuck in the queue
-        t0 = time.monotonic()
+        engine.pause()  # stuck in the queue: only the time limit ends it (the test's timeout ends a hang)
         assert_error(c.post("/generate", json={"inputs": "a"}), 504, error_type="timeout")
-        assert time.monotonic() - t0 < 3
         engine.resume()
         restore = slow_model(engine, 0.02)  # too slow to finish 100 tokens in 0.3 s: the stream ends in an error
         events = sse_events(c.post("/generate_stream", json={"inputs": "a",
@@ -628,6 +682,42 @@ def test_time_limit_ends_with_an_error(tiny_ckpt):
         assert 'gpt_requests_total{finish_reason="timeout",status="504"} 2.0' in text
         # the engine ended both: neither is also a refusal (a non-streaming one was counted twice)
         assert 'finish_reason="rejected"' not in text
+
+
+@pytest.fixture(scope="module")
+def stalled(tiny_ckpt):
+    """A server whose engine admits nothing: every request waits in the queue until its 0.3 s time limit."""
+    with app_client(tiny_ckpt, request_timeout_s=0.3) as c:
+        engine_of(c).pause()
+        yield c
+
+
+@pytest.mark.parametrize("path,body", GENERATING, ids=[route_id(*c) for c in GENERATING])
+def test_every_generating_route_ends_a_request_past_its_time_limit_with_504(stalled, path, body):
+    series = 'gpt_requests_total{finish_reason="timeout",status="504"}'
+    before = metric(stalled, series)
+    r = stalled.post(path, json=body)
+    if is_stream(path, body):  # the stream's head is sent at once: its last event is the error
+        assert r.status_code == 200, r.text
+        last = [e for e in sse_events(r.text) if e != "[DONE]"][-1]
+        assert (last["error"]["code"] if path.startswith("/v1/") else last["error_type"]) == "timeout", last
+    else:
+        assert_error(r, 504, error_type="timeout")
+    assert metric(stalled, series) == before + 1
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": CHAT}, "messages"),
+    ("/tokenize", {"messages": [{"role": "user"}]}, "messages"),
+    ("/detokenize", {}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+    ("/detokenize", {"tokens": [97, 10**6]}, "tokens.1"),
+])
+def test_the_tokenizer_routes_refuse_bad_bodies_naming_the_field(client, path, body, field):
+    assert_error(client.post(path, json=body), 400, field=field, error_type="validation")
 
 
 def test_metrics_count_requests_and_tokens(tiny_ckpt):
@@ -784,10 +874,7 @@ def test_live_is_503_when_the_engine_thread_died(tiny_ckpt):
 
         engine.core_loop.handle = die
         engine.resume()  # any message reaches handle()
-        end = time.monotonic() + 10
-        while engine.alive and time.monotonic() < end:
-            time.sleep(0.01)
-        assert not engine.alive
+        wait_until(lambda: not engine.alive, timeout=60)  # the bound only ends a hang
         r = c.get("/live")
         assert r.status_code == 503, r.text
         body = r.json()

@@ -144,9 +144,11 @@ def test_server_summary_medians_over_rounds_and_counts_failures():
     assert s["startup_s"]["median"] == 6.0 and s["idle_pss_mb"] == 92.5
 
 
-def test_lscpu_info_has_flags():
-    info = peers.lscpu_info()
-    assert "error" in info or isinstance(info.get("flags"), list)
+def test_lscpu_info_has_flags_and_reports_a_missing_lscpu(monkeypatch):
+    info = peers.lscpu_info()  # lscpu is util-linux's, on every Debian
+    assert "error" not in info and info["flags"] and int(info["CPU(s)"]) >= 1, info
+    monkeypatch.setenv("PATH", "")
+    assert "error" in peers.lscpu_info()
 
 
 def test_crash_fallback_only_for_a_segfault_at_start_up_of_llama_server():

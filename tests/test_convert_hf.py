@@ -56,14 +56,17 @@ def test_greedy_continuation_matches_transformers(hf_model, converted):
 def test_pytorch_bin_and_errors(hf_model, tmp_path):
     model, _ = hf_model
     bin_dir = tmp_path / "bin"
-    model.save_pretrained(bin_dir, safe_serialization=False)
+    model.save_pretrained(bin_dir)
+    # an older checkpoint's pytorch_model.bin (a torch.save'd state dict), written here: transformers 5 writes
+    # only safetensors
+    (bin_dir / "model.safetensors").unlink()
+    torch.save(model.state_dict(), bin_dir / "pytorch_model.bin")
     from model.convert_hf import convert
 
-    if (bin_dir / "pytorch_model.bin").exists():  # newer transformers may always write safetensors
-        ck = load_checkpoint(convert(bin_dir, tmp_path / "from-bin"))
-        x = torch.randint(0, 50257, (1, 10))
-        with torch.no_grad():
-            assert (ck.model(x)[0] - model(x).logits).abs().max() <= 1e-4
+    ck = load_checkpoint(convert(bin_dir, tmp_path / "from-bin"))
+    x = torch.randint(0, 50257, (1, 10))
+    with torch.no_grad():
+        assert (ck.model(x)[0] - model(x).logits).abs().max() <= 1e-4
     r = subprocess.run([sys.executable, "-m", "model.convert_hf", "--hf-dir", str(tmp_path / "none"),
                         "--out", str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2 and "no config.json" in r.stderr and "Traceback" not in r.stderr

@@ -30,7 +30,7 @@ NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.acc
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.timeout(240),
+    pytest.mark.timeout(900),
     pytest.mark.skipif(NGINX is None, reason="nginx is not installed (Debian: apt-get install -y nginx)"),
     pytest.mark.skipif(not CHECKPOINT.is_dir(), reason="checkpoints/shakespeare is missing"),
 ]
@@ -73,7 +73,7 @@ class Replica:
                  "--host", "127.0.0.1", "--port", str(self.port)],
                 cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
 
-    def wait_ready(self, timeout: float = 60) -> None:
+    def wait_ready(self, timeout: float = 300) -> None:  # only against a hang: 3 start-ups on a loaded host
         wait_http(self.url + "/health", timeout, self.proc, self.log)
 
     def generated_tokens(self) -> float:
@@ -228,7 +228,7 @@ def test_rolling_restart_under_load_loses_no_request(cluster):
             rc = await asyncio.to_thread(r.stop, signal.SIGTERM, 30)
             t1 = time.monotonic()
             r.start()
-            await asyncio.to_thread(r.wait_ready, 60)
+            await asyncio.to_thread(r.wait_ready)
             log.append(f"replica {r.i}: drained and exited (rc {rc}) in {t1 - t0:.1f} s, "
                        f"back in {time.monotonic() - t1:.1f} s")
             assert rc == 0, f"replica {r.i} exited with {rc}"
@@ -261,9 +261,13 @@ def test_a_replica_killed_mid_load_fails_only_its_streams(cluster):
     victim = replicas[0]
     kill_at: float | None = None
 
+    def victim_streams() -> bool:
+        return httpx.get(victim.url + "/info", timeout=None).json()["engine"]["running"] > 0
+
     async def kill_one():
         nonlocal kill_at
-        await asyncio.sleep(2.0)
+        while not await asyncio.to_thread(victim_streams):  # the kill lands while the victim streams
+            await asyncio.sleep(0.05)
         kill_at = time.monotonic()
         victim.proc.kill()  # SIGKILL: no drain
         await asyncio.to_thread(victim.proc.wait, 10)

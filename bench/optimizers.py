@@ -160,6 +160,44 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def report(args: argparse.Namespace, info: dict[str, Any], cfg: TrainConfig, muon_cfg: TrainConfig, eval_windows: int,
+           results: dict[str, list[dict]]) -> None:
+    """The summary table, bench/results/<out>.json and the plot, for the seeds done so far."""
+    threads, tokens_per_step = args.threads, cfg.batch_size * cfg.block_size
+    summary: dict[str, Any] = {}
+    for name, runs in results.items():
+        rows = []
+        for r, a in zip(runs, results["adamw"]):
+            target = a["evals"][-1]["val_loss"]
+            hit = reach(r["evals"], target)
+            rows.append({"seed": r["seed"], "final_val_loss": r["evals"][-1]["val_loss"], "adamw_final": target,
+                         "reach_adamw_final": hit and {k: round(v, 1) for k, v in hit.items()},
+                         "tokens_ratio": hit and round(hit["tokens"] / a["evals"][-1]["tokens"], 3),
+                         "cpu_ratio": hit and round(hit["cpu_s"] / a["cpu_s"], 3),
+                         "step_speed_vs_adamw": round(a["step_cpu_ms"] / r["step_cpu_ms"], 3)})
+        summary[name] = {
+            "per_seed": rows,
+            "mean_final_val_loss": round(sum(x["final_val_loss"] for x in rows) / len(rows), 4),
+            "step_cpu_ms": median([r["step_cpu_ms"] for r in runs]),
+            "optimizer_step_cpu_ms": median([r["optimizer_step_cpu_ms"] for r in runs]),
+        }
+    print()
+    print_table(["optimizer", "final val (mean)", "step CPU ms", "opt.step CPU ms", "tokens to AdamW final",
+                 "CPU-s to AdamW final"],
+                [[k, v["mean_final_val_loss"], v["step_cpu_ms"], v["optimizer_step_cpu_ms"],
+                  " ".join(str(x["tokens_ratio"]) for x in v["per_seed"]),
+                  " ".join(str(x["cpu_ratio"]) for x in v["per_seed"])] for k, v in summary.items()])
+    out = {**info, "benchmark": "optimizers", "threads": threads, "steps": args.steps,
+           "seeds": [r["seed"] for r in results["adamw"]],
+           "tokens_per_step": tokens_per_step, "eval_windows": eval_windows, "chunk": args.chunk,
+           "nanogpt": args.nanogpt, "config": cfg.to_dict(), "muon_config": muon_cfg.to_dict(),
+           "summary": summary, "runs": results}
+    path = write_result(args.out, out)
+    png = RESULTS / f"{args.out}.png"
+    plot(results, png, f"bundled model's shape, {args.steps} steps x {tokens_per_step} tokens, 1 thread")
+    print(f"wrote {path} and {png}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.optimizers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, help="a training.prepare directory (the bundled model's data)")
@@ -175,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps % args.chunk or args.eval_interval % args.chunk:
         ap.error("--steps and --eval-interval must be multiples of --chunk")
-    threads = set_threads(args.threads)
+    set_threads(args.threads)
     info = env_info()
     data = open_data_dir(args.data)
     vocab = data.tokenizer.vocab_size
@@ -212,37 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                 "step_cpu_ms": round(1000 * median(c.step_cpu), 1),
                 "optimizer_step_cpu_ms": round(1000 * c.opt_cpu_s / args.steps, 1)})
 
-    summary: dict[str, Any] = {}
-    for name, runs in results.items():
-        rows = []
-        for r, a in zip(runs, results["adamw"]):
-            target = a["evals"][-1]["val_loss"]
-            hit = reach(r["evals"], target)
-            rows.append({"seed": r["seed"], "final_val_loss": r["evals"][-1]["val_loss"], "adamw_final": target,
-                         "reach_adamw_final": hit and {k: round(v, 1) for k, v in hit.items()},
-                         "tokens_ratio": hit and round(hit["tokens"] / a["evals"][-1]["tokens"], 3),
-                         "cpu_ratio": hit and round(hit["cpu_s"] / a["cpu_s"], 3),
-                         "step_speed_vs_adamw": round(a["step_cpu_ms"] / r["step_cpu_ms"], 3)})
-        summary[name] = {
-            "per_seed": rows,
-            "mean_final_val_loss": round(sum(x["final_val_loss"] for x in rows) / len(rows), 4),
-            "step_cpu_ms": median([r["step_cpu_ms"] for r in runs]),
-            "optimizer_step_cpu_ms": median([r["optimizer_step_cpu_ms"] for r in runs]),
-        }
-    print()
-    print_table(["optimizer", "final val (mean)", "step CPU ms", "opt.step CPU ms", "tokens to AdamW final",
-                 "CPU-s to AdamW final"],
-                [[k, v["mean_final_val_loss"], v["step_cpu_ms"], v["optimizer_step_cpu_ms"],
-                  " ".join(str(x["tokens_ratio"]) for x in v["per_seed"]),
-                  " ".join(str(x["cpu_ratio"]) for x in v["per_seed"])] for k, v in summary.items()])
-    out = {**info, "benchmark": "optimizers", "threads": threads, "steps": args.steps, "seeds": args.seeds,
-           "tokens_per_step": tokens_per_step, "eval_windows": int(offsets.size), "chunk": args.chunk,
-           "nanogpt": args.nanogpt, "config": cfg.to_dict(), "muon_config": muon_cfg.to_dict(),
-           "summary": summary, "runs": results}
-    path = write_result(args.out, out)
-    png = RESULTS / f"{args.out}.png"
-    plot(results, png, f"bundled model's shape, {args.steps} steps x {tokens_per_step} tokens, 1 thread")
-    print(f"wrote {path} and {png}")
+        # after every seed, so that a run cut short still leaves its finished seeds
+        report(args, info, cfg, muon_cfg, int(offsets.size), results)
     return 0
 
 

@@ -42,7 +42,7 @@ from training.config import TrainConfig, build_config
 from training.data import BatchSampler, fixed_eval_offsets, open_data_dir
 from training.distributed import Dist
 from training.measure import estimate_loss
-from training.optim import lr_at, make_optimizer
+from training.optim import lr_at, make_optimizer, split_params
 
 RECIPE = REPO / "training" / "configs" / "shakespeare.json"
 
@@ -160,6 +160,32 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def newton_schulz_cost(cfg: TrainConfig, vocab: int, repeats: int = 3) -> dict[str, Any]:
+    """CPU-seconds of one Muon step's orthogonalisations (all block matrices of the model, ns_steps iterations):
+    torch.optim.Muon's own (bf16) vs training.optim's (fp32 on a CPU), best of `repeats`."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from training.optim import _newton_schulz
+
+    model = GPT(GPTConfig(vocab_size=vocab, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                          n_embd=cfg.n_embd, bias=cfg.bias))
+    grads = [torch.randn_like(p) for p in split_params(model)[0]]
+    coef, steps, eps = (3.4445, -4.775, 2.0315), 5, 1e-7
+    ways = {"torch_bf16": lambda g: _zeropower_via_newtonschulz(g, coef, steps, eps),
+            "ours_fp32": lambda g: _newton_schulz(g, coef, steps, eps)}
+    out: dict[str, Any] = {"matrices": [list(g.shape) for g in grads], "ns_steps": steps}
+    for name, fn in ways.items():
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.process_time()
+            for g in grads:
+                fn(g)
+            best = min(best, time.process_time() - t)
+        out[f"{name}_cpu_s"] = round(best, 4)
+    out["bf16_over_fp32"] = round(out["torch_bf16_cpu_s"] / out["ours_fp32_cpu_s"], 1)
+    return out
+
+
 def report(args: argparse.Namespace, info: dict[str, Any], cfg: TrainConfig, muon_cfg: TrainConfig, eval_windows: int,
            results: dict[str, list[dict]]) -> None:
     """The summary table, bench/results/<out>.json and the plot, for the seeds done so far."""
@@ -210,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--muon-set", action="append", default=[], metavar="KEY=VALUE", help="the Muon run's config")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="optimizers")
+    ap.add_argument("--newton-schulz", action="store_true",
+                    help="only time one step's Newton-Schulz iterations, torch's bf16 vs ours in fp32 "
+                         "(writes bench/results/<--out>-newton-schulz.json)")
     args = ap.parse_args(argv)
     if args.steps % args.chunk or args.eval_interval % args.chunk:
         ap.error("--steps and --eval-interval must be multiples of --chunk")
@@ -220,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     base = [f"max_iters={args.steps}", f"warmup_iters={max(1, round(100 * args.steps / 1500))}", *args.set]
     cfg = build_config(file=RECIPE, overrides=base)
     muon_cfg = build_config(file=RECIPE, overrides=[*base, "optimizer=muon", *args.muon_set])
+    if args.newton_schulz:
+        ns = newton_schulz_cost(cfg, vocab)
+        print(ns)
+        print(f"wrote {write_result(f'{args.out}-newton-schulz', {**info, 'threads': args.threads, **ns})}")
+        return 0
     mod = load_nanogpt(args.nanogpt) if args.nanogpt else None
     offsets = fixed_eval_offsets(len(data.val), cfg.block_size, cfg.batch_size, cfg.eval_iters)
     tokens_per_step = cfg.batch_size * cfg.block_size

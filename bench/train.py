@@ -60,7 +60,7 @@ def optimizer_for(model: torch.nn.Module, lr: float = 1e-3, wd: float = 0.1) -> 
 
         from training.train import make_optimizer
 
-        cfg = SimpleNamespace(weight_decay=wd, learning_rate=lr, beta1=0.9, beta2=0.99)
+        cfg = SimpleNamespace(weight_decay=wd, learning_rate=lr, beta1=0.9, beta2=0.99, optimizer="adamw")
         return make_optimizer(model, cfg, torch.device("cpu"))
     except (ImportError, AttributeError, TypeError):
         params = [p for p in model.parameters() if p.requires_grad]

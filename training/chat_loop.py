@@ -23,6 +23,7 @@ from training.config import FinetuneConfig
 from training.distributed import Dist
 from training.finetune_loop import PROG
 from training.loop import BaseLoop
+from training.optim import Optimizers
 from training.task_data import ExampleSampler
 
 
@@ -32,7 +33,7 @@ class ChatLoop(BaseLoop):
 
     def __init__(self, cfg: FinetuneConfig, train: ChatSet, val: ChatSet, tokenizer: Tokenizer,
                  tokenizer_file: Path | None, chat_files: dict[str, bytes], out: Path, model: GPT,
-                 optimizer: torch.optim.Optimizer, d: Dist, device: torch.device, use_bf16: bool,
+                 optimizer: Optimizers, d: Dist, device: torch.device, use_bf16: bool,
                  state: dict[str, Any] | None, run_meta: dict[str, Any], quiet: bool) -> None:
         super().__init__(cfg, out, model, optimizer, d, device, use_bf16, state, quiet)
         self.train_set, self.val_set, self.tokenizer = train, val, tokenizer

@@ -64,6 +64,17 @@ class TrainConfig(BaseModel):
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
+    # muon: torch.optim.Muon on the transformer blocks' 2-D matrices (attention and MLP weights), AdamW (the keys
+    # above) on the embedding/head, position table, biases, LayerNorms and a task head (training/optim.py)
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float = 0.02  # Muon's peak learning rate, on learning_rate's warmup + cosine schedule
+    muon_weight_decay: float = 0.0  # decoupled: each step multiplies the matrices by 1 - lr * muon_weight_decay
+    muon_momentum: float = 0.95
+    muon_momentum_start: float = 0.85  # the momentum warms up linearly from this over muon_momentum_warmup steps
+    muon_momentum_warmup: int = 0
+    # torch.optim.Muon's adjust_lr_fn: "original" scales a matrix's lr by sqrt(max(1, rows / cols)),
+    # "match_rms_adamw" by 0.2 * sqrt(max(rows, cols)) (then muon_lr is on AdamW's scale)
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = "original"
     warmup_iters: int = 100
     lr_decay_iters: int | None = None  # end of the cosine decay; None = max_iters
     max_iters: int = 2000
@@ -126,7 +137,12 @@ class TrainConfig(BaseModel):
                   "sample_temperature"):
             if getattr(self, k) < 0:
                 errs.append(f"{k} must be >= 0, got {getattr(self, k)}")
-        for k in ("beta1", "beta2"):
+        if self.muon_lr <= 0:
+            errs.append(f"muon_lr must be > 0, got {self.muon_lr}")
+        for k in ("muon_weight_decay", "muon_momentum_warmup"):
+            if getattr(self, k) < 0:
+                errs.append(f"{k} must be >= 0, got {getattr(self, k)}")
+        for k in ("beta1", "beta2", "muon_momentum", "muon_momentum_start"):
             if not 0.0 <= getattr(self, k) < 1.0:
                 errs.append(f"{k} must be in [0, 1), got {getattr(self, k)}")
         if self.lr_decay_iters is not None and self.lr_decay_iters < 1:

@@ -21,6 +21,7 @@ from training.config import FinetuneConfig
 from training.distributed import Dist
 from training.loop import BaseLoop
 from training.measure import sample_text, score_task_set
+from training.optim import Optimizers
 from training.task_data import ExampleSampler, TaskSet
 
 PROG = "python -m training.finetune"
@@ -32,7 +33,7 @@ class FinetuneLoop(BaseLoop):
 
     def __init__(self, cfg: FinetuneConfig, task: Task, train: TaskSet, val: TaskSet, majority: int,
                  tokenizer: Tokenizer, tokenizer_file: Path | None, out: Path, model: TaskModel,
-                 optimizer: torch.optim.Optimizer, d: Dist, device: torch.device, use_bf16: bool,
+                 optimizer: Optimizers, d: Dist, device: torch.device, use_bf16: bool,
                  state: dict[str, Any] | None, run_meta: dict[str, Any], quiet: bool) -> None:
         super().__init__(cfg, out, model, optimizer, d, device, use_bf16, state, quiet)
         self.task, self.train_set, self.val_set, self.tokenizer = task, train, val, tokenizer

@@ -26,7 +26,7 @@ from training.distributed import Dist
 from training.errors import PROG, TrainError
 from training.measure import estimate_loss, flops_per_token, peak_flops, sample_text
 from training.metrics import Metrics
-from training.optim import lr_at, set_lr
+from training.optim import Optimizers
 
 
 def setup_precision(cfg: TrainConfig, device: torch.device) -> bool:
@@ -53,7 +53,7 @@ class BaseLoop:
     prog = PROG
     loss_terms: tuple[str, ...] = ("loss",)  # what micro_step returns; the first is the one checked for NaN
 
-    def __init__(self, cfg: TrainConfig, out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, cfg: TrainConfig, out: Path, model: torch.nn.Module, optimizer: Optimizers,
                  d: Dist, device: torch.device, use_bf16: bool, state: dict[str, Any] | None, quiet: bool) -> None:
         self.cfg, self.out, self.raw_model, self.optimizer = cfg, out, model, optimizer
         self.d, self.device, self.use_bf16, self.resumed, self.quiet = d, device, use_bf16, state is not None, quiet
@@ -131,8 +131,7 @@ class BaseLoop:
     def train_step(self) -> float:
         """One optimizer step of grad_accum micro-batches; returns its learning rate."""
         cfg, d, model = self.cfg, self.d, self.train_model
-        lr = lr_at(self.step, cfg)
-        set_lr(self.optimizer, lr)
+        lr = self.optimizer.schedule(self.step, cfg)
         for micro in range(cfg.grad_accum):
             with d.no_sync(model, sync=micro == cfg.grad_accum - 1):
                 terms = self.micro_step(micro)
@@ -226,7 +225,7 @@ class Loop(BaseLoop):
     """Language-model training on a prepared data directory: random windows, loss on fixed evaluation windows,
     a sample at each evaluation, OUT/best by validation loss."""
 
-    def __init__(self, cfg: TrainConfig, data: DataDir, out: Path, model: GPT, optimizer: torch.optim.Optimizer,
+    def __init__(self, cfg: TrainConfig, data: DataDir, out: Path, model: GPT, optimizer: Optimizers,
                  d: Dist, device: torch.device, use_bf16: bool, state: dict[str, Any] | None,
                  init_meta: dict[str, Any], quiet: bool) -> None:
         super().__init__(cfg, out, model, optimizer, d, device, use_bf16, state, quiet)

@@ -553,6 +553,8 @@ GENERATING = [
     ("/v1/completions", {"prompt": "a", "max_tokens": 2, "stream": True}),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "stream": True}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "stream": True}),
 ]
 # every route behind the API key, as (method, path, body, the status with the key)
 GUARDED = [("POST", path, body, 200) for path, body in GENERATING] + [
@@ -699,7 +701,11 @@ def test_every_generating_route_ends_a_request_past_its_time_limit_with_504(stal
     r = stalled.post(path, json=body)
     if is_stream(path, body):  # the stream's head is sent at once: its last event is the error
         assert r.status_code == 200, r.text
-        last = [e for e in sse_events(r.text) if e != "[DONE]"][-1]
+        events = [e for e in sse_events(r.text) if e != "[DONE]"]
+        last = events[-1]
+        if path == "/v1/responses":  # an `error` event with our code, then response.failed (OpenAI's codes)
+            assert last["type"] == "response.failed" and events[-2]["type"] == "error", events[-2:]
+            last = {"error": events[-2]}
         assert (last["error"]["code"] if path.startswith("/v1/") else last["error_type"]) == "timeout", last
     else:
         assert_error(r, 504, error_type="timeout")

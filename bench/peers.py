@@ -69,11 +69,12 @@ SERVERS: dict[str, dict[str, Any]] = {
     "llama-bf16": {"kind": "llama", "weights": "bf16"},
     "ours-bf16": {"kind": "ours", "weights": "bf16"},
     # our weight formats (model/linear.py) beside llama.cpp's of the same bits: int8 vs q8_0, int4 vs q4_0
+    "ours-eager": {"kind": "ours", "weights": "fp32", "extra_args": ["--compile", "off"]},  # the default: auto
     "ours-int8": {"kind": "ours", "weights": "fp32", "quantize": "int8"},
     "ours-int4": {"kind": "ours", "weights": "fp32", "quantize": "int4"},
 }
 DEFAULT_SERVERS = "ours,vllm,llama-f32,llama-f16,llama-q8_0"
-FP32_SERVERS = ("ours", "vllm", "llama-f32", "vllm-default-threads", "vllm-no-preload", "llama-f32-nocache")
+FP32_SERVERS = ("ours", "ours-eager", "vllm", "llama-f32", "vllm-default-threads", "vllm-no-preload", "llama-f32-nocache")
 
 # name → streams, prompt kind, sampling. Prompts are token ids (no tokenizer difference can creep in):
 # "fixed" = one 32-token prompt sent repeatedly (what TTFT of the table used), "long" = distinct
@@ -230,7 +231,8 @@ def server_command(name: str, port: int, threads: int, paths: dict[str, Any]) ->
         return ([paths["python"], "-m", "app", "--checkpoint", str(paths["checkpoint"]), "--host", host,
                  "--port", str(port), "--device", "cpu", "--dtype", spec["weights"], *slots,
                  "--max-queue", "1000", "--torch-threads", str(threads), "--model-name", MODEL_NAME,
-                 "--log-level", "warning", *(["--quantize", spec["quantize"]] if "quantize" in spec else [])], {})
+                 "--log-level", "warning", *(["--quantize", spec["quantize"]] if "quantize" in spec else []),
+                 *spec.get("extra_args", [])], {})
     if spec["kind"] == "vllm":
         env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
                # KV cache for SLOTS full contexts, fp32: 2 (k, v) × 12 layers × 768 × 4 B × 1024 × 32 = 2.4 GB

@@ -74,7 +74,8 @@ SERVERS: dict[str, dict[str, Any]] = {
     "ours-int4": {"kind": "ours", "weights": "fp32", "quantize": "int4"},
 }
 DEFAULT_SERVERS = "ours,vllm,llama-f32,llama-f16,llama-q8_0"
-FP32_SERVERS = ("ours", "ours-eager", "vllm", "llama-f32", "vllm-default-threads", "vllm-no-preload", "llama-f32-nocache")
+FP32_SERVERS = ("ours", "ours-eager", "vllm", "llama-f32", "vllm-default-threads", "vllm-no-preload",
+                "llama-f32-nocache")
 
 # name → streams, prompt kind, sampling. Prompts are token ids (no tokenizer difference can creep in):
 # "fixed" = one 32-token prompt sent repeatedly (what TTFT of the table used), "long" = distinct

@@ -103,7 +103,7 @@ def linear(x: torch.Tensor, layer: nn.Module, act: nn.Module | None = None) -> t
         return _act(layer(x), act)  # another swapped-in module (adapter, ...)
     w, b = layer.weight, layer.bias
     if (ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32
-            and not torch.compiler.is_compiling()  # inductor lowers F.linear itself (engine/compiled_decode.py)
+            and not torch.compiler.is_dynamo_compiling()  # inductor lowers F.linear itself (engine/compiled_decode.py)
             and w.dtype == torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         post = _post_op(act)
         if post is not None:
@@ -153,7 +153,9 @@ class PackedLinear(_Served):
 
     def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
         x = x.to(self.dtype)
-        if self.weight is not None and torch.compiler.is_compiling():  # a graph inductor lowers itself
+        # a graph inductor lowers itself; dynamo folds this to True while tracing, and unlike is_compiling() it reads
+        # no process-wide flag, so eager steps on the engine's thread run their kernels while a compile traces
+        if self.weight is not None and torch.compiler.is_dynamo_compiling():
             return _act(F.linear(x, self.weight, self.bias), act)
         if x.numel() == x.shape[-1]:  # one row
             if self.column_major is not None:

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graphs import BUCKETS, CONTEXT_BUCKETS, context_buckets
+from engine.cuda_graphs import BUCKETS, CONTEXT_BUCKETS, context_buckets, step_key
 from model.gpt import GPT
-from model.kv_cache import ContextLengthError, KVCache
+from model.kv_cache import KVCache
 
 MODES = ("off", "on", "auto")
 # auto compiles a model whose blocks hold at most this many parameters: there a token's cost is PyTorch's per-op
@@ -44,8 +44,9 @@ CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backen
 DEFAULT_MAX_BATCH = 1
 
 
-class CompileError(RuntimeError):
-    """The step could not be compiled here (no C++ compiler, an op inductor cannot lower, ...)."""
+def one_line(e: BaseException) -> str:
+    """An exception as the one log line a failed compile or check gets (inductor's messages run to pages)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 @dataclass
@@ -80,11 +81,18 @@ def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype
     return "on"
 
 
-def _like(t: torch.Tensor, copy: bool = False) -> torch.Tensor:
+def _like(t: torch.Tensor, copy: bool = False, rows: int | None = None) -> torch.Tensor:
     """A scratch tensor the compiled step's guards take for `t`: same shape, dtype and strides, and an inference
-    tensor exactly where `t` is one (the guards check the dispatch keys)."""
+    tensor exactly where `t` is one (the guards check the dispatch keys). rows: only the first `rows` are zeroed
+    (an empty tensor elsewhere: a large one's untouched pages are never committed)."""
     with torch.inference_mode(t.is_inference()):
-        return t.clone() if copy else torch.zeros_like(t)
+        if copy:
+            return t.clone()
+        if rows is None:
+            return torch.zeros_like(t)
+        out = torch.empty_like(t)
+        out[:rows].zero_()
+        return out
 
 
 class CompiledDecode:
@@ -100,12 +108,11 @@ class CompiledDecode:
         self.seconds: float | None = None
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
-        self._threads = torch.get_num_threads()
+        self._threads = torch.get_num_threads()  # the engine's: inductor sizes its kernels' parallelism by it
 
     # ------------------------------------------------------------------ compiling
     def start(self) -> None:
         """Compile every bucket in a daemon thread; `done` tells when, `error` what failed."""
-        self._threads = torch.get_num_threads()  # the engine's: inductor sizes its kernels' parallelism by it
         self._thread = threading.Thread(target=self._compile_all, name="compile-decode", daemon=True)
         self._thread.start()
 
@@ -122,7 +129,7 @@ class CompiledDecode:
         try:
             self.compile_all()
         except Exception as e:  # noqa: BLE001 - dynamo / inductor raise many kinds; the engine stays eager
-            self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.error = one_line(e)
             self.steps.clear()
         finally:
             self.seconds = round(time.perf_counter() - t0, 2)
@@ -130,15 +137,14 @@ class CompiledDecode:
 
     def compile_all(self) -> None:
         """Compile each (batch, context) bucket against scratch tensors shaped like the cache (the live cache is
-        never written from here). They are made outside inference mode, as the cache is: the
-        compiled step's guards would not match an inference tensor where the cache is a normal one."""
+        never written from here; `_like` makes each one as its live tensor is, inference tensor or not)."""
         import torch._inductor.config
 
         c = self.cache
-        # as large as the cache's own tensors (dynamo guards on a view's base too), but only the pages of the first
-        # slots are ever touched: calloc'd memory is committed as written, so the scratch costs little
-        scratch_k = [_like(t) for t in c.k]
-        scratch_v = [_like(t) for t in c.v]
+        # as large as the cache's own tensors (dynamo guards on a view's base too), but only the first max_batch
+        # slots are read or written (zeroed here); the rest stays untouched, uncommitted memory
+        scratch_k = [_like(t, rows=self.max_batch) for t in c.k]
+        scratch_v = [_like(t, rows=self.max_batch) for t in c.v]
         lengths, tokens, arange = _like(c.lengths_t), _like(self.tokens), _like(c._arange, copy=True)
         with torch._inductor.config.patch(CPU_OPTIONS), torch.inference_mode():  # freezing: read outside the options
             for b in self.buckets:
@@ -156,16 +162,9 @@ class CompiledDecode:
         return (self.model, self.tokens[:b], [t[:b] for t in c.k], [t[:b] for t in c.v], c.lengths_t[:b], c._arange,
                 c.max_len, ctx)
 
-    def key(self, n: int) -> tuple[int, int]:
-        longest = max(self.cache.lengths[:n])
-        if longest >= self.cache.max_len:
-            raise ContextLengthError(f"a decode step at position {longest} does not fit the cache's context length "
-                                     f"{self.cache.max_len}")
-        return next(b for b in self.buckets if b >= n), next(c for c in self.contexts if c >= longest + 1)
-
     def replay(self, n: int) -> torch.Tensor:
         """Logits of the compiled step over slots 0..n-1 (self.tokens[:n] already written); the cache not advanced."""
-        b, ctx = self.key(n)
+        b, ctx = step_key(self.cache, n, self.buckets, self.contexts)
         # the arguments are the same views with the same shapes every time: the guards cannot fail
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
             return self.steps[b, ctx](*self._args(b, ctx))[:n]

@@ -41,6 +41,7 @@ import time
 import torch
 
 from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
+from engine.compiled_decode import one_line
 from engine.compiled_decode import resolve_mode as resolve_compile
 from engine.prompt_logprobs import PROMPT_LOGPROBS_PIECE, PromptScorer
 from engine.request import EngineRequest, ErrorKind, RequestOutput, check_context
@@ -477,7 +478,7 @@ class EngineCore:
         try:
             same = compiled.error is None and compiled.check()
         except Exception as e:  # noqa: BLE001 - a failing check costs speed, never the engine
-            compiled.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            compiled.error = one_line(e)
             same = False
         if compiled.error is not None:
             log.warning("decode step not compiled (%s); decoding eagerly", compiled.error)

@@ -75,6 +75,17 @@ def context_buckets(max_len: int, sizes=CONTEXT_BUCKETS) -> list[int]:
     return sorted({c for c in sizes if c < max_len} | {max_len})
 
 
+def step_key(cache: KVCache, n: int, buckets: list[int], contexts: list[int]) -> tuple[int, int]:
+    """The (batch, context) bucket of a static decode step over slots 0..n-1: the context holds the longest row's
+    keys after this step's token. A row with no room is a caller's error (ContextLengthError), never an index past
+    the cache (on CUDA a device-side assert that poisons the context)."""
+    longest = max(cache.lengths[:n])  # host ints: no sync
+    if longest >= cache.max_len:
+        raise ContextLengthError(f"a decode step at position {longest} does not fit the cache's context length "
+                                 f"{cache.max_len}")
+    return next(b for b in buckets if b >= n), next(c for c in contexts if c >= longest + 1)
+
+
 class GraphedDecode:
     def __init__(self, model: GPT, cache: KVCache, max_batch: int, *, capture: Capture | None = None,
                  contexts=CONTEXT_BUCKETS) -> None:
@@ -89,21 +100,8 @@ class GraphedDecode:
         self.tokens = torch.zeros(max_batch, 1, dtype=torch.long, device=cache.device)
         self.replays: dict[tuple[int, int], Replay] = {}
 
-    def bucket(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
-
-    def context(self, n_keys: int) -> int:
-        return next(c for c in self.contexts if c >= n_keys)
-
     def key(self, n: int) -> tuple[int, int]:
-        """The (batch, context) bucket of a step over slots 0..n-1: the context holds the longest row's keys after
-        this step's token. A row with no room is a caller's error (ContextLengthError), never an index past the
-        cache (on CUDA a device-side assert that poisons the context)."""
-        longest = max(self.cache.lengths[:n])  # host ints: no sync
-        if longest >= self.cache.max_len:
-            raise ContextLengthError(f"a decode step at position {longest} does not fit the cache's context length "
-                                     f"{self.cache.max_len}")
-        return self.bucket(n), self.context(longest + 1)
+        return step_key(self.cache, n, self.buckets, self.contexts)
 
     @torch.inference_mode()
     def capture_all(self) -> None:

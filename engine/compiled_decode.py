@@ -36,7 +36,7 @@ from model.kv_cache import KVCache
 MODES = ("off", "on", "auto")
 # auto compiles a model whose blocks hold at most this many parameters: there a token's cost is PyTorch's per-op
 # overhead, which the compiled step removes (the bundled model's 3.2M: batch 1 2.3x faster in-process); GPT-2
-# 124M's 85M are bandwidth-bound (no gain measured, +2.5 GB of frozen constants): docs/performance.md
+# 124M's 85M are bandwidth-bound (no gain measured, +2.5 GB resident): docs/performance.md
 AUTO_MAX_BLOCK_PARAMS = 16_000_000
 # inductor's options for the CPU step (torch/_inductor/config.py): weights as constants (freezing: packed once),
 # max_autotune choosing between aten's GEMM and inductor's C++ micro-kernel per shape

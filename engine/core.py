@@ -254,11 +254,15 @@ class EngineCore:
                 draws += verified
             else:
                 graphed = self._graphed or self._compiled
-                if graphed is not None and n <= graphed.max_batch:
-                    logits = graphed(self.sampler.last[:n], n)
+                kind = self.sampler.plain_kind(range(n)) if self._compiled and n <= self._compiled.max_batch else None
+                if kind is not None:  # the draw is inside the compiled step (engine/plain_draw.py)
+                    draws += self.sampler.take(range(n), *self._compiled.draw(self.sampler.last[:n], n, kind))
                 else:
-                    logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
-                draws += self.sampler.step(logits, range(n), masks.next(step.decode) if masks else None)
+                    if graphed is not None and n <= graphed.max_batch:
+                        logits = graphed(self.sampler.last[:n], n)
+                    else:
+                        logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
+                    draws += self.sampler.step(logits, range(n), masks.next(step.decode) if masks else None)
             self.decode_steps += 1
         self.generated_tokens += len(draws)
         if masks:
@@ -460,7 +464,7 @@ class EngineCore:
         background thread: the engine serves eagerly meanwhile and swaps the steps in at a step boundary."""
         from engine.compiled_decode import CompiledDecode
 
-        self._compiling = CompiledDecode(self.model, self.cache, self.compile_max_batch)
+        self._compiling = CompiledDecode(self.model, self.cache, self.compile_max_batch, sampler=self.sampler)
         self._compiling.start()
         log.info("compiling the decode step (batches up to %d) in the background; decoding eagerly meanwhile",
                  self.compile_max_batch)

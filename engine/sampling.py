@@ -473,6 +473,36 @@ class Sampler(SlotState):
             out.append(Draw(int(r[0]), r[1], top))
         return out
 
+    def plain_kind(self, slots: range | list[int]) -> str | None:
+        """The kind of engine.plain_draw that draws these slots' rows exactly as `step` would (greedy; T = 1;
+        T < 1), or None when some row needs more (top-k / top-p, penalties, bias, min_tokens, a grammar, top-n)."""
+        kinds = [self.kinds[s] for s in slots]
+        if any(k is None or k.top_k or k.top_p or k.repetition or k.presence_frequency or k.top_n or k.bias
+               or k.min_tokens or k.constrained for k in kinds):
+            return None
+        if all(k.greedy for k in kinds):
+            return "greedy"
+        if any(k.greedy for k in kinds):
+            return None
+        if all(k.unit_temperature for k in kinds):
+            return "sample"
+        return "sample_sharpened" if all(k.sharpened for k in kinds) and self.device.type == "cpu" else None
+
+    def plain_inputs(self, n: int) -> tuple[torch.Tensor, ...]:
+        """What engine.plain_draw reads of slots 0..n-1 (views): 1/T, the seed keys, the history lengths and the
+        prompt lengths (their difference: the index of the token drawn)."""
+        return self.inv_temp[:n], self.seed_key[:n], self.length[:n], self.prompt_len[:n]
+
+    @torch.inference_mode()
+    def take(self, slots: range | list[int], token: torch.Tensor, logprob: torch.Tensor) -> list[Draw]:
+        """Record tokens drawn outside `step` (engine.plain_draw, inside a compiled decode step) and return them
+        as `step` would: one device→host copy."""
+        plan = self._plan(slots)
+        rows = torch.stack([token.double(), logprob.double()], 1).tolist()
+        self.read_backs += 1
+        self.record(plan.rows, plan.index, token)
+        return [Draw(int(t), lp) for t, lp in rows]
+
     def _plan(self, slots: range | list[int]) -> _Plan:
         if self._plans_version != self.version:  # a slot changed since the plans were made
             self._plans.clear()

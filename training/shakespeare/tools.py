@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m training.shakespeare_tools --input ../shared/data/tinyshakespeare.txt --out /tmp/shtools
+    python -m training.shakespeare.tools --input ../shared/data/tinyshakespeare.txt --out /tmp/shtools
 
 Two functions, in OpenAI's fine-tuning format (`tools` on every line): `find_character(name)` ("Who is ROMEO?")
 and `find_speaker(words)` ('Who says "the words"?'); and prompts that want text, not a call ("Speak as ROMEO."),
@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from model.chat_template import SFT_TEMPLATE
-from training.shakespeare_tasks import speeches
+from training.shakespeare.tasks import speeches
 
-PROG = "python -m training.shakespeare_tools"
+PROG = "python -m training.shakespeare.tools"
 # OUT/tools.jinja, for `--chat-template`: the default SFT template, but the tools listed as `name(arguments)` in one
 # line: their JSON schemas alone are 287 tokens of the bundled model's 2,048-token vocabulary, its context 256
 COMPACT_TOOLS = (

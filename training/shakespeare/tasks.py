@@ -2,13 +2,13 @@
 
 Usage::
 
-    python -m training.shakespeare_tasks --input ../shared/data/tinyshakespeare.txt --out /tmp/shakespeare_tasks
+    python -m training.shakespeare.tasks --input ../shared/data/tinyshakespeare.txt --out /tmp/shakespeare_tasks
 
 The text is a sequence of speeches, `NAME:\\n<lines>` separated by blank lines. The split is by position, as
 for checkpoints/shakespeare (whose tokenizer and weights saw only the first 90% of the bytes): a speech that
 ends before byte floor(0.9 · size) is training data, one that starts at or after it is validation data (the
 one speech across the cut is dropped); pairs never cross the cut. Writes OUT/<task>/{train,val}.jsonl
-(training/task_data.py's formats) and OUT/summary.json:
+(training/task/data.py's formats) and OUT/summary.json:
 
     speakers      classification: who says this speech (the text without its NAME line), among the
                   --speakers speakers with the most training speeches of those that have at least
@@ -33,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-PROG = "python -m training.shakespeare_tasks"
+PROG = "python -m training.shakespeare.tasks"
 SPEECH = re.compile(r"(?:^|\n\n)([^\n:]+):\n(.*?)(?=\n\n|\Z)", re.S)
 
 

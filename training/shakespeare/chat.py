@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m training.shakespeare_chat --input ../shared/data/tinyshakespeare.txt --out /tmp/shakespeare_chat
+    python -m training.shakespeare.chat --input ../shared/data/tinyshakespeare.txt --out /tmp/shakespeare_chat
 
 Two consecutive speeches by different speakers are one conversation in OpenAI's fine-tuning format: the first
 speech is the user's turn, the reply the assistant's, and the system message gives the scene — who answers
@@ -20,7 +20,7 @@ stays inside the 256-token context: this text has ~2.8 characters per token, and
 conversation of 823 (8 of 5,217 training ones) is still longer than 256 tokens, as its two speeches alone are.
 The context never crosses the split: a held-out dialogue's context is held-out text.
 
-The split is by position, as for checkpoints/shakespeare and training/shakespeare_tasks.py (whose speech parser
+The split is by position, as for checkpoints/shakespeare and training/shakespeare/tasks.py (whose speech parser
 this shares): dialogues from the first 90% of the bytes are training data, those of the last 10% held out.
 Speeches longer than --max-chars are left out as turns (they may still be context).
 Writes OUT/train.jsonl, OUT/val.jsonl, OUT/summary.json and OUT/play.jinja (PLAY_TEMPLATE).
@@ -34,9 +34,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from training.shakespeare_tasks import speeches
+from training.shakespeare.tasks import speeches
 
-PROG = "python -m training.shakespeare_chat"
+PROG = "python -m training.shakespeare.chat"
 # OUT/play.jinja, a chat template for `--chat-template` that keeps the base model's own layout: the system text
 # (the play so far) and a blank line, then each turn as a speech whose speaker is a role token, `<|user|>:` or
 # `<|assistant|>:` in place of `NAME:`; a user's speech ends in a blank line as in the play, an assistant's in

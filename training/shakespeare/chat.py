@@ -28,13 +28,12 @@ Writes OUT/train.jsonl, OUT/val.jsonl, OUT/summary.json and OUT/play.jinja (PLAY
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from training.shakespeare.tasks import speeches
+from training.shakespeare.tasks import builder_parser, speeches
 
 PROG = "python -m training.shakespeare.chat"
 # OUT/play.jinja, a chat template for `--chat-template` that keeps the base model's own layout: the system text
@@ -103,10 +102,8 @@ def build(text: str, max_chars: int = 400, budget: int = BUDGET,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description="Build chat fine-tuning dialogues from tinyshakespeare "
-                                                       "(split by position: 90% / 10%).")
-    p.add_argument("--input", required=True, help="tinyshakespeare.txt")
-    p.add_argument("--out", required=True, help="output directory")
+    p = builder_parser(PROG, "Build chat fine-tuning dialogues from tinyshakespeare "
+                             "(split by position: 90% / 10%).")
     p.add_argument("--max-chars", type=int, default=400, help="leave out speeches longer than this (400)")
     p.add_argument("--budget", type=int, default=BUDGET,
                    help=f"characters of system + user + assistant text; the system's play context fills it ({BUDGET})")

@@ -93,11 +93,17 @@ def build_tasks(text: str, n_speakers: int = 5, min_speeches: int = 20, seed: in
             "speeches": {s: len(sp[s]) for s in sp}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description="Build the speaker, next-speech and next-of-four tasks "
-                                                       "from tinyshakespeare (split by position: 90% / 10%).")
+def builder_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The demonstration builders' command line (tasks, chat, tools): --input tinyshakespeare.txt, --out DIR."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--input", required=True, help="tinyshakespeare.txt")
     p.add_argument("--out", required=True, help="output directory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = builder_parser(PROG, "Build the speaker, next-speech and next-of-four tasks "
+                             "from tinyshakespeare (split by position: 90% / 10%).")
     p.add_argument("--speakers", type=int, default=5, help="number of speakers to attribute (default 5)")
     p.add_argument("--min-speeches", type=int, default=20, help="speeches a speaker needs in each split (20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the negatives and answer orders (default 0)")

@@ -106,7 +106,7 @@ def over_http(checkpoint: str, quantize: str, compile: str, threads: int, tokens
 
     import httpx
 
-    from bench.peers import Server, free_port
+    from bench.harness import Server, free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "app", "--checkpoint", checkpoint, "--port", str(port), "--host", "127.0.0.1",

@@ -20,7 +20,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from app.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from app.config import Settings
 from app.errors import ApiError, outcome_labels, status_of
 from app.metrics import Metrics
@@ -30,6 +29,7 @@ from engine.build import CoreConfig, StartupError, build_core, load_model
 from engine.client import EngineClient, EngineError, ProcessEngineClient, ThreadEngineClient
 from engine.core_process import CoreProcess
 from engine.output_processor import RequestState
+from model.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from model.checkpoint import CheckpointError, read_checkpoint
 
 log = logging.getLogger("app")

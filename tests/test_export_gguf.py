@@ -202,7 +202,7 @@ def test_chat_template_is_carried_when_the_checkpoint_has_one(tmp_path):
     template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     (ck / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": EOT}))
     assert read(export(ck, tmp_path / "a.gguf"))[0]["tokenizer.chat_template"] == template
-    (ck / "chat_template.jinja").write_text("{{ messages[0].content }}")  # the file wins, as in app/chat_template
+    (ck / "chat_template.jinja").write_text("{{ messages[0].content }}")  # the file wins, as in model/chat_template
     assert read(export(ck, tmp_path / "b.gguf"))[0]["tokenizer.chat_template"] == "{{ messages[0].content }}"
     (ck / "chat_template.jinja").write_text("{% for m in %}")  # one the server could not load is not exported
     with pytest.raises(ExportError, match="chat template"):

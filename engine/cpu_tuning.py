@@ -9,10 +9,7 @@ import ctypes
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from engine.build import CoreConfig
+from typing import Any
 
 # torch and the model's modules are imported inside the functions below: the core process calls set_openmp_waits
 # and keep_freed_memory before torch loads (OpenMP reads its waits when torch loads libgomp).
@@ -33,12 +30,13 @@ _DTYPE_CHOICES: dict[tuple, tuple] = {}
 BF16_SPEEDUP = 1.15  # bf16 must beat fp32 by this much at 1 and at 16 rows to be the CPU's auto dtype
 
 
-def serving_dtype(cfg: CoreConfig, device, dtype) -> tuple[Any, dict | None]:
-    """The dtype a server computes in, and why. `--dtype auto` on a CPU serving unquantized weights is bf16 where
-    the CPU computes bf16 natively (avx512_bf16 or AMX in its flags) and a one-off timing at load finds the model's
-    widest matmul (n_embd → 4·n_embd, oneDNN's packed weight) at least 1.15x faster in bf16 at 1 and at 16 rows;
-    else fp32 (the reference): on an AVX2-only CPU oneDNN emulates bf16 and it is slower (docs/api.md, "Formats per
-    CPU"). The choice is made once per process and shape (load_model, then build_core reports it)."""
+def serving_dtype(cfg, device, dtype) -> tuple[Any, dict | None]:
+    """The dtype a server computes in (`cfg`: an engine.build.CoreConfig), and why. `--dtype auto` on a CPU serving
+    unquantized weights is bf16 where the CPU computes bf16 natively (avx512_bf16 or AMX in its flags) and a one-off
+    timing at load finds the model's widest matmul (n_embd → 4·n_embd, oneDNN's packed weight) at least 1.15x faster
+    in bf16 at 1 and at 16 rows; else fp32 (the reference): on an AVX2-only CPU oneDNN emulates bf16 and it is slower
+    (docs/api.md, "Formats per CPU"). The choice is made once per process and shape (load_model, then build_core
+    reports it)."""
     import torch
 
     if cfg.dtype != "auto" or device.type != "cpu" or cfg.quantize != "none":
@@ -68,10 +66,10 @@ def serving_dtype(cfg: CoreConfig, device, dtype) -> tuple[Any, dict | None]:
     return _DTYPE_CHOICES[key]
 
 
-def core_threads(cfg: CoreConfig) -> int:
-    """Torch threads the core process loads with: GPT_TORCH_THREADS, else every CPU this process may run on (as
-    llama-server's default); without the setting `choose_threads` then measures whether the last one is worth
-    taking from the fronts."""
+def core_threads(cfg) -> int:
+    """Torch threads the core process loads with (`cfg`: an engine.build.CoreConfig): GPT_TORCH_THREADS, else every
+    CPU this process may run on (as llama-server's default); without the setting `choose_threads` then measures
+    whether the last one is worth taking from the fronts."""
     if cfg.torch_threads:
         return cfg.torch_threads
     try:

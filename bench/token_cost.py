@@ -5,7 +5,7 @@ operators by kind, and what HTTP streaming adds on top.
     python -m bench.token_cost --gpt2 --compile off --quantize int8
 
 For each `--compile` mode (interleaved over `--rounds`): the engine core built as the server builds it
-(`engine.core_process.build_core`, default settings, `--threads` torch threads; a compile waited for), one greedy
+(`engine.build.build_core`, default settings, `--threads` torch threads; a compile waited for), one greedy
 and one seeded sampled request of `--tokens` tokens decoded alone, every step timed, with the model's forward (the
 eager `forward_cached` or the compiled step) and the sampler's draw timed inside it: per-token medians of step,
 forward, sampler and the rest (scheduler, outputs, grammar and bookkeeping). Then 50 steps under torch.profiler,
@@ -52,7 +52,7 @@ def timed(fn, sink: list[float]):
 def in_process(checkpoint: str, quantize: str, compile: str, threads: int, tokens: int) -> dict[str, Any]:
     from torch.profiler import profile
 
-    from engine.core_process import CoreConfig, build_core
+    from engine.build import CoreConfig, build_core
     from engine.request import EngineRequest
     from engine.sampling import SamplingParams
 
@@ -106,7 +106,7 @@ def over_http(checkpoint: str, quantize: str, compile: str, threads: int, tokens
 
     import httpx
 
-    from bench.peers import Server, free_port
+    from bench.harness import Server, free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "app", "--checkpoint", checkpoint, "--port", str(port), "--host", "127.0.0.1",

@@ -53,7 +53,7 @@ from engine.spec_decode.config import VERIFY_POSITIONS
 from engine.structured_output import Grammars, Matchers
 from model.gpt import GPT
 from model.kv_cache import KVCache, device_index
-from model.linear import DEFAULT_INT4_GROUP, convert, tune, weight_bytes
+from model.linear import DEFAULT_INT4_GROUP, convert, settle_plain, tune, weight_bytes
 
 log = logging.getLogger("engine.core")
 
@@ -105,10 +105,12 @@ class EngineCore:
         self._compiled = None  # the compiled decode steps in use (engine.compiled_decode), once checked
         self._compiling = None  # ... while their compile runs in the background
         if quantize != "none" or (prepack and self.device.type == "cpu"):
-            # compiling: the packed layers keep their plain weight too, for the graph (eager keeps its kernels)
-            self.weights = convert(model, quantize, int4_group, keep_plain=self.compile == "on")
+            # the packed layers keep their plain weight until `tune` has copied the ones it gives MKL (no unpacking
+            # through a GEMM), and when compiling for good: the graph reads them (eager keeps its kernels)
+            self.weights = convert(model, quantize, int4_group, keep_plain=True)
             if self.device.type == "cpu":
                 self.kernels = tune(model)
+            settle_plain(model, keep=self.compile == "on")
         self.packed_layers = self.weights["swapped"] if self.weights["format"] == "none" else 0
         self.weight_bytes = weight_bytes(model)
         # prefix caching (engine.prefix_cache): off here; the server turns it on (GPT_PREFIX_CACHE)
@@ -281,9 +283,10 @@ class EngineCore:
             if draft_model is None:
                 raise ValueError("speculative method draft needs the draft model (draft_model)")
             if quantize != "none" or (prepack and self.device.type == "cpu"):  # the draft in the target's format
-                convert(draft_model, quantize, int4_group)
+                convert(draft_model, quantize, int4_group, keep_plain=True)
                 if self.device.type == "cpu":
                     tune(draft_model)
+                settle_plain(draft_model, keep=False)
             # its cache in the served cache's dtype: engine/sizing.py budgets a slot as the two KV slots in that dtype
             draft = DraftProposer(draft_model, self.n_slots, self.vocab_size, max_len=self.max_len,
                                   kv_dtype=self.kv_dtype, p_min=config.draft_p_min)

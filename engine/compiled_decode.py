@@ -1,40 +1,53 @@
-"""Decode steps compiled by inductor on a CPU: the small-batch step without PyTorch's per-op cost.
+"""Decode steps compiled ahead of time on a CPU: the small-batch step without PyTorch's per-op cost.
 
-The CPU counterpart of engine/cuda_graphs.py: one compiled `GPT.decode_static` per (batch, context) bucket, as
-SGLang's `cpu_graph_runner.py` compiles a step per batch size, with inductor's CPU options. `max_autotune` with
-inductor's C++ GEMM templates is what pays: one-row matmuls from generated micro-kernels instead of MKL / oneDNN
-calls (docs/performance.md, "A compiled decode step"); without it the compiled step was no faster than eager.
+The CPU counterpart of engine/cuda_graphs.py, built as torchchat builds its runner's step: `torch.export` of one
+static-shape decode step (`GPT.decode_static`, and for plain rows the draw too: engine/plain_draw.py) per
+(batch, context, kind) bucket, compiled by AOTInductor into a package of C++ kernels and a C++ wrapper
+(`aoti_compile_and_package`), loaded with `aoti_load_package` and called with the live cache's tensors. Inductor's
+CPU options: `freezing` (weights as constants) and `max_autotune` over its C++ GEMM micro-kernels, which is what
+pays for one-row matmuls. Against the same graph through `torch.compile`, the C++ wrapper also drops dynamo's frame
+evaluation and AOT autograd's runtime wrappers, ~40% of the bundled model's compiled step (docs/performance.md,
+"Decode steps compiled ahead of time").
 
 - Only batches up to `max_batch` are compiled: batch 1 is where a token's fixed cost shows; larger batches are
   matmul-bound and stay eager (each bucket costs a compile).
-- The graph reads the model's plain weights: oneDNN's packed copies (`model.linear.PackedLinear`) are opaque to
-  dynamo, so an engine that compiles has its packed layers keep their plain weight too (`convert(keep_plain=True)`;
-  eager steps keep oneDNN's kernels) and inductor's freezing makes its own constants from it: about three copies
-  of the weights, which is why `auto` compiles only small models.
-- The step takes the cache's tensors as arguments (views of the first `b` slots), so it is compiled against
-  scratch tensors of the same shapes **in a background thread** while the engine serves eagerly; the engine swaps
-  it in at a step boundary once a replay equals the eager step on the live cache (`EngineCore._install_compiled`).
-  Start-up does not wait for the compiler. Guards are not evaluated on replay: the arguments are the same views
-  every time (vLLM skips them on its compiled CPU path too).
+- The export traces a plain twin of the served model (`plain_twin`: nn.Linear with the plain weights that the
+  packed layers keep until the compile is over, `model.linear.drop_plain`); the engine's own modules stay as they
+  are and its eager steps keep oneDNN's kernels.
+- **In a background thread** while the engine serves eagerly; the engine swaps the steps in at a step boundary
+  once a replay equals the eager step on the live cache (`EngineCore._install_compiled`). Start-up never waits.
+- **Cached on disk** (`GPT_COMPILE_CACHE`, default ~/.cache/gpt-serve/compiled), one folder per key: the weights'
+  bytes, the buckets, this CPU's flags, the torch threads, torch's version and the source of the code traced.
+  A restart on the same machine loads the packages in milliseconds instead of compiling for minutes; a package
+  that does not load (corrupt, another torch) is compiled again, with one log line.
 - A compile that fails, or a replay that differs from eager decoding, leaves the engine eager with one log line.
-  Compiled kernels are cached on disk by inductor (`TORCHINDUCTOR_CACHE_DIR`): a restart on the same machine skips
-  the autotuning (~20-60 s cold, ~10 s warm for the bundled model on 2 CPU cores).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
 import threading
 import time
-import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from torch import nn
 
 from engine.cuda_graphs import BUCKETS, CONTEXT_BUCKETS, context_buckets, step_key
 from engine.plain_draw import KINDS, Kind, plain_draw
 from engine.sampling import Sampler
+from model.cpu_support import cpu_flags
 from model.gpt import GPT
 from model.kv_cache import KVCache
+from model.linear import PackedLinear
+
+log = logging.getLogger(__name__)
 
 MODES = ("off", "on", "auto")
 # auto compiles a model whose blocks hold at most this many parameters: there a token's cost is PyTorch's per-op
@@ -45,6 +58,10 @@ AUTO_MAX_BLOCK_PARAMS = 16_000_000
 # max_autotune choosing between aten's GEMM and inductor's C++ micro-kernel per shape
 CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 DEFAULT_MAX_BATCH = 1
+CACHE_ENV = "GPT_COMPILE_CACHE"
+# the code a package was traced from: a change to any of these files makes new packages
+TRACED = ("engine/compiled_decode.py", "engine/plain_draw.py", "engine/sampling.py", "model/gpt.py",
+          "model/kv_cache.py", "model/linear.py")
 
 
 def one_line(e: BaseException) -> str:
@@ -52,43 +69,13 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-@dataclass
-class _SlotsView:
-    """What `GPT.decode_static` reads of a KVCache, for the first `b` slots: the cache's own tensors (views) at
-    replay, scratch tensors of the same shapes while compiling."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    lengths_t: torch.Tensor
-    _arange: torch.Tensor
-    max_len: int
-
-    plan_static = KVCache.plan_static
-
-
-def _decode(model: GPT, tokens: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], lengths_t: torch.Tensor,
-            arange: torch.Tensor, max_len: int, kv_len: int) -> torch.Tensor:
-    return model.decode_static(tokens, _SlotsView(k, v, lengths_t, arange, max_len), kv_len)
-
-
-def _decode_draw(model: GPT, tokens: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor],
-                 lengths_t: torch.Tensor, arange: torch.Tensor, max_len: int, kv_len: int, kind: Kind, vocab: int,
-                 block: int, inv_temp: torch.Tensor, seed_key: torch.Tensor, length: torch.Tensor,
-                 prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode step and the plain draw of its rows (engine/plain_draw.py) as one graph: (token, logprob)."""
-    logits = model.decode_static(tokens, _SlotsView(k, v, lengths_t, arange, max_len), kv_len)
-    return plain_draw(logits, vocab, block, kind, inv_temp, seed_key, length - prompt_len)
-
-
-def _own_code(fn, name: str):
-    """`fn` with a code object of its own: dynamo keeps its compiled entries per code object, so one per bucket
-    keeps each replay's cache a single entry (no limit of 8 entries to reach, no guards to tell them apart)."""
-    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__)
+def default_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "gpt-serve" / "compiled")
 
 
 def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype, quantize: str) -> str:
     """on / off for this model: only a CPU's unquantized decode step is compiled (fbgemm's packed int8 is opaque to
-    dynamo; CUDA has its graphs); auto also needs fp32 and a small model (AUTO_MAX_BLOCK_PARAMS)."""
+    the compiler; CUDA has its graphs); auto also needs fp32 and a small model (AUTO_MAX_BLOCK_PARAMS)."""
     if mode not in MODES:
         raise ValueError(f"compile must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off" or device.type != "cpu" or quantize != "none":
@@ -99,43 +86,108 @@ def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype
     return "on"
 
 
-def _like(t: torch.Tensor, copy: bool = False, rows: int | None = None) -> torch.Tensor:
-    """A scratch tensor the compiled step's guards take for `t`: same shape, dtype and strides, and an inference
-    tensor exactly where `t` is one (the guards check the dispatch keys). rows: only the first `rows` are zeroed
-    (an empty tensor elsewhere: a large one's untouched pages are never committed)."""
-    with torch.inference_mode(t.is_inference()):
-        if copy:
-            return t.clone()
-        if rows is None:
-            return torch.zeros_like(t)
-        out = torch.empty_like(t)
-        out[:rows].zero_()
-        return out
+@dataclass
+class _SlotsView:
+    """What `GPT.decode_static` reads of a KVCache, for the first `b` slots: views of the cache's own tensors."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    lengths_t: torch.Tensor
+    _arange: torch.Tensor
+    max_len: int
+
+    plan_static = KVCache.plan_static
+
+
+class Step(nn.Module):
+    """One bucket's decode step as a module for torch.export. Its inputs, in order (`CompiledDecode.inputs`): the
+    tokens (b, 1), the cache lengths (b,), the draw's 1/T, seed keys, history and prompt lengths (b,) each, then
+    every layer's keys and values (b, H, max_len, D); the keys and values at each row's length are written in
+    place. Output: logits (b, vocab), or with a plain `kind` the (token, logprob) drawn."""
+
+    def __init__(self, model: GPT, max_len: int, kv_len: int, kind: Kind | None, vocab: int, block: int) -> None:
+        super().__init__()
+        self.model, self.max_len, self.kv_len, self.kind, self.vocab, self.block = model, max_len, kv_len, kind, \
+            vocab, block
+        self.register_buffer("arange", torch.arange(max_len), persistent=False)
+
+    def forward(self, tokens, lengths_t, inv_temp, seed_key, length, prompt_len, *kv):
+        n = len(kv) // 2
+        slots = _SlotsView(list(kv[:n]), list(kv[n:]), lengths_t, self.arange, self.max_len)
+        logits = self.model.decode_static(tokens, slots, self.kv_len)
+        if self.kind is None:
+            return logits
+        return plain_draw(logits, self.vocab, self.block, self.kind, inv_temp, seed_key, length - prompt_len)
+
+
+def plain_twin(model: GPT) -> GPT:
+    """The served model as plain modules for the export: nn.Linear where the engine put oneDNN's packed layers, with
+    the plain weights those kept (shared, not copied); every other tensor shared too."""
+    state: dict[str, torch.Tensor] = {}
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, PackedLinear):
+            if m.weight is None:
+                raise RuntimeError(f"{name} kept no plain weight to compile from (convert(keep_plain=True))")
+            state[prefix + "weight"] = m.weight
+            if m.bias is not None:
+                state[prefix + "bias"] = m.bias
+        else:
+            for key, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
+                if t is not None:
+                    state[prefix + key] = t
+    with torch.device("meta"):
+        twin = GPT(model.config)
+    twin.load_state_dict(state, strict=False, assign=True)
+    missing = [n for n, t in list(twin.named_parameters()) + list(twin.named_buffers()) if t.is_meta]
+    if missing:
+        raise RuntimeError(f"cannot compile this model's step: no plain tensor for {', '.join(missing[:3])}")
+    return twin.eval()
+
+
+def build_package(step: Step, example: tuple, path: Path) -> None:
+    """Export `step` at the example inputs' shapes and compile it with AOTInductor into the package `path`."""
+    with torch.no_grad():
+        ep = torch.export.export(step, example, strict=True)  # dynamo's tracing: model/linear.py's F.linear branch
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=dict(CPU_OPTIONS))
+
+
+def load_package(path: Path):
+    """A compiled step from its package: called with `Step`'s inputs, it returns `Step`'s outputs."""
+    from torch._inductor import aoti_load_package
+
+    return aoti_load_package(str(path))
 
 
 class CompiledDecode:
-    """Compiled decode steps for batches up to `max_batch` over `cache`, made by `start()` in a thread: per (batch,
-    context) bucket one step that returns logits, and with a `sampler`, one per plain kind (engine/plain_draw.py)
-    that returns the drawn tokens."""
+    """Compiled decode steps for batches up to `max_batch` over `cache`, made (or loaded) by `start()` in a thread:
+    per (batch, context) bucket one step that returns logits, and with a `sampler`, one per plain kind
+    (engine/plain_draw.py) that returns the drawn tokens."""
 
     def __init__(self, model: GPT, cache: KVCache, max_batch: int, contexts=CONTEXT_BUCKETS,
-                 sampler: Sampler | None = None) -> None:
+                 sampler: Sampler | None = None, cache_dir: Path | None = None) -> None:
         self.model, self.cache, self.max_batch, self.sampler = model, cache, max_batch, sampler
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
         self.contexts = context_buckets(cache.max_len, contexts)
         self.kinds: tuple[Kind | None, ...] = (None,) + (KINDS if sampler is not None else ())
+        self.cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
         self.tokens = torch.zeros(max_batch, 1, dtype=torch.long, device=cache.device)
+        # the draw's inputs when there is no sampler (a logits-only step ignores them)
+        self._no_draw = [torch.zeros(max_batch, dtype=dt) for dt in (torch.float32, torch.long, torch.long,
+                                                                      torch.long)]
         self.steps: dict[tuple[int, int, Kind | None], object] = {}
-        self._arg_cache: dict[tuple[int, int, Kind | None], tuple] = {}
+        self._inputs: dict[tuple[int, int], tuple] = {}
         self.error: str | None = None
         self.seconds: float | None = None
+        self.source: str | None = None  # "compiled" or "cache": where the steps came from
+        self.folder: Path | None = None  # their packages: the cache folder of their key
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._threads = torch.get_num_threads()  # the engine's: inductor sizes its kernels' parallelism by it
 
     # ------------------------------------------------------------------ compiling
     def start(self) -> None:
-        """Compile every bucket in a daemon thread; `done` tells when, `error` what failed."""
+        """Compile or load every bucket in a daemon thread; `done` tells when, `error` what failed."""
         self._thread = threading.Thread(target=self._compile_all, name="compile-decode", daemon=True)
         self._thread.start()
 
@@ -151,63 +203,94 @@ class CompiledDecode:
         torch.set_num_threads(self._threads)  # a new thread starts with every core
         try:
             self.compile_all()
-        except Exception as e:  # noqa: BLE001 - dynamo / inductor raise many kinds; the engine stays eager
+        except Exception as e:  # noqa: BLE001 - export / inductor raise many kinds; the engine stays eager
             self.error = one_line(e)
             self.steps.clear()
         finally:
             self.seconds = round(time.perf_counter() - t0, 2)
             self._done.set()
 
-    def compile_all(self) -> None:
-        """Compile each (batch, context, kind) bucket against scratch tensors shaped like the cache and the sampler's
-        state (the live ones are never written from here; `_like` makes each one as its live tensor is, inference
-        tensor or not)."""
-        import torch._inductor.config
+    def names(self) -> dict[tuple[int, int, Kind | None], str]:
+        return {(b, ctx, kind): f"b{b}-c{ctx}-{kind or 'logits'}.pt2"
+                for b in self.buckets for ctx in self.contexts for kind in self.kinds}
 
-        c, s = self.cache, self.sampler
-        # as large as the cache's own tensors (dynamo guards on a view's base too), but only the first max_batch
-        # slots are read or written (zeroed here); the rest stays untouched, uncommitted memory
-        scratch = _Scratch(
-            k=[_like(t, rows=self.max_batch) for t in c.k], v=[_like(t, rows=self.max_batch) for t in c.v],
-            lengths_t=_like(c.lengths_t), tokens=_like(self.tokens), arange=_like(c._arange, copy=True),
-            draw=[_like(t, copy=True) for t in s.plain_inputs(s.n_slots)] if s is not None else [])  # 1/T > 0
-        with torch._inductor.config.patch(CPU_OPTIONS), torch.inference_mode():  # freezing: read outside the options
-            for b in self.buckets:
-                for ctx in self.contexts:
-                    for kind in self.kinds:
-                        fn = torch.compile(_own_code(_decode if kind is None else _decode_draw,
-                                                     f"decode_{b}_{ctx}_{kind or 'logits'}"),
-                                           fullgraph=True, dynamic=False)
-                        args = self._args(b, ctx, kind, scratch)
-                        fn(*args)
-                        fn(*args)  # a second call: no guard fails, nothing recompiles
-                        self.steps[b, ctx, kind] = fn
+    def key(self) -> str:
+        """What a package depends on: the weights' bytes, the shapes, this CPU, the threads, torch and the code."""
+        h = hashlib.sha256()
+        for name, t in sorted(plain_twin(self.model).state_dict().items()):
+            h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        c = self.cache
+        root = Path(__file__).resolve().parent.parent
+        code = b"".join((root / f).read_bytes() for f in TRACED)
+        h.update(repr((self.buckets, self.contexts, self.kinds, c.n_slots, c.max_len, c.k[0].shape, c.k[0].dtype,
+                       self.sampler.vocab_size if self.sampler else None, self.sampler.block if self.sampler else None,
+                       sorted(cpu_flags()), self._threads, torch.__version__, sys.version_info[:2],
+                       sorted(CPU_OPTIONS.items()))).encode() + code)
+        return h.hexdigest()[:24]
+
+    def compile_all(self) -> None:
+        """Load the packages of this key from the cache folder, or export and compile each bucket (against scratch
+        tensors: the live cache is never written from here) and save them there."""
+        folder = self.folder = self.cache_dir / self.key()
+        names = self.names()
+        if folder.is_dir() and not all((folder / n).is_file() for n in names.values()):
+            shutil.rmtree(folder, ignore_errors=True)  # not made by this code (a crash cannot leave one half made)
+        if folder.is_dir():
+            try:
+                self._load(folder, names)
+                self.source = "cache"
+                return
+            except Exception as e:  # noqa: BLE001 - a corrupt or foreign package: compile it again
+                log.warning("compiled decode steps in %s do not load (%s); compiling them again", folder,
+                            one_line(e))
+                self.steps.clear()
+                shutil.rmtree(folder, ignore_errors=True)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        twin = plain_twin(self.model)
+        with tempfile.TemporaryDirectory(dir=self.cache_dir) as tmp:
+            for (b, ctx, kind), name in names.items():
+                build_package(Step(twin, self.cache.max_len, ctx, kind, *self._vocab_block()), self._scratch(b),
+                              Path(tmp) / name)
+            try:
+                os.replace(tmp, folder)  # whole or not at all: a crash leaves no half folder under the key
+                os.mkdir(tmp)  # for TemporaryDirectory's clean-up
+            except OSError:  # another server made the same key meanwhile: use that one
+                pass
+        self._load(folder, names)
+        self.source = "compiled"
+
+    def _load(self, folder: Path, names: dict) -> None:
+        for key, name in names.items():
+            self.steps[key] = load_package(folder / name)
+
+    def _vocab_block(self) -> tuple[int, int]:
+        return (self.sampler.vocab_size, self.sampler.block) if self.sampler else (0, 0)
+
+    def _scratch(self, b: int) -> tuple:
+        """Example inputs of bucket b's shapes (`Step`), zeros but for 1/T (> 0, as a slot's always is)."""
+        c = self.cache
+        draw = self.sampler.plain_inputs(b) if self.sampler else [t[:b] for t in self._no_draw]
+        return (torch.zeros_like(self.tokens[:b]), torch.zeros_like(c.lengths_t[:b]),
+                *(t.clone() if t.is_floating_point() else torch.zeros_like(t) for t in draw),
+                *(torch.zeros_like(t[:b]) for t in c.k), *(torch.zeros_like(t[:b]) for t in c.v))
 
     # ------------------------------------------------------------------ replaying
-    def _args(self, b: int, ctx: int, kind: Kind | None, scratch: _Scratch | None = None) -> tuple:
-        """The step's arguments: views of the live cache and sampler state (made once per bucket: the same views
-        every replay), or of `scratch` while compiling."""
-        if scratch is None and (b, ctx, kind) in self._arg_cache:
-            return self._arg_cache[b, ctx, kind]
-        c = self.cache
-        src = scratch or _Scratch(k=c.k, v=c.v, lengths_t=c.lengths_t, tokens=self.tokens, arange=c._arange,
-                                  draw=list(self.sampler.plain_inputs(self.sampler.n_slots)) if self.sampler else [])
-        args = (self.model, src.tokens[:b], [t[:b] for t in src.k], [t[:b] for t in src.v], src.lengths_t[:b],
-                src.arange, c.max_len, ctx)
-        if kind is not None:
-            s = self.sampler
-            args += (kind, s.vocab_size, s.block, *(t[:b] for t in src.draw))
-        if scratch is None:
-            self._arg_cache[b, ctx, kind] = args
-        return args
+    def inputs(self, b: int) -> tuple:
+        """Bucket b's inputs (`Step`): views of the live cache and sampler state, made once (the same every
+        replay: the steps write the cache through them)."""
+        if b not in self._inputs:
+            c = self.cache
+            draw = self.sampler.plain_inputs(b) if self.sampler else [t[:b] for t in self._no_draw]
+            self._inputs[b] = (self.tokens[:b], c.lengths_t[:b], *draw, *(t[:b] for t in c.k),
+                               *(t[:b] for t in c.v))
+        return self._inputs[b]
 
     def replay(self, n: int, kind: Kind | None = None):
         """The compiled step over slots 0..n-1 (self.tokens[:n] already written; the cache not advanced): logits,
         or with a plain `kind` the (token, logprob) drawn."""
         b, ctx = step_key(self.cache, n, self.buckets, self.contexts)
-        # the arguments are the same views with the same shapes every time: the guards cannot fail
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            out = self.steps[b, ctx, kind](*self._args(b, ctx, kind))
+        out = self.steps[b, ctx, kind](*self.inputs(b))
         return out[:n] if kind is None else (out[0][:n], out[1][:n])
 
     @torch.inference_mode()
@@ -233,30 +316,16 @@ class CompiledDecode:
         the row's next step overwrites, as a CUDA graph's padding rows do; the cache is not advanced): the same
         logits, and for a draw the same tokens as plain_draw on the eager logits."""
         for (b, ctx, kind), fn in self.steps.items():
-            args = self._args(b, ctx, kind)
-            eager = _decode(*args[:8])
-            # guards evaluated this once: the live views must pass the guards the scratch tensors set, or the
-            # replay (which skips them) would run a graph made for other tensors; a recompile here is an error
-            with torch.compiler.set_stance("fail_on_recompile"):
-                got = fn(*args)
+            args = self.inputs(b)
+            eager = Step(self.model, self.cache.max_len, ctx, None, *self._vocab_block())(*args)
+            got = fn(*args)
             if kind is None:
                 same = torch.allclose(got.float(), eager.float(), atol=atol, rtol=1e-2)
             else:
-                inv_temp, seed_key, length, prompt_len = args[11:]
-                token, logprob = plain_draw(eager, *args[9:11], kind, inv_temp, seed_key, length - prompt_len)
+                inv_temp, seed_key, length, prompt_len = args[2:6]
+                token, logprob = plain_draw(eager, *self._vocab_block(), kind, inv_temp, seed_key,
+                                            length - prompt_len)
                 same = torch.equal(got[0], token) and torch.allclose(got[1], logprob, atol=atol, rtol=1e-2)
             if not same:
                 return False
         return bool(self.steps)
-
-
-@dataclass
-class _Scratch:
-    """The tensors a step reads: the live cache's and sampler's, or scratch ones of the same shapes (compile)."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    lengths_t: torch.Tensor
-    tokens: torch.Tensor
-    arange: torch.Tensor
-    draw: list[torch.Tensor]

@@ -53,7 +53,7 @@ from engine.spec_decode.config import VERIFY_POSITIONS
 from engine.structured_output import Grammars, Matchers
 from model.gpt import GPT
 from model.kv_cache import KVCache, device_index
-from model.linear import DEFAULT_INT4_GROUP, convert, settle_plain, tune, weight_bytes
+from model.linear import DEFAULT_INT4_GROUP, convert, drop_plain, tune, weight_bytes
 
 log = logging.getLogger("engine.core")
 
@@ -110,7 +110,8 @@ class EngineCore:
             self.weights = convert(model, quantize, int4_group, keep_plain=True)
             if self.device.type == "cpu":
                 self.kernels = tune(model)
-            settle_plain(model, keep=self.compile == "on")
+            if self.compile != "on":  # compiling: until the compile has read them (_install_compiled)
+                drop_plain(model)
         self.packed_layers = self.weights["swapped"] if self.weights["format"] == "none" else 0
         self.weight_bytes = weight_bytes(model)
         # prefix caching (engine.prefix_cache): off here; the server turns it on (GPT_PREFIX_CACHE)
@@ -123,6 +124,7 @@ class EngineCore:
         self._graphed = None
         self.warmup_error: str | None = None
         self.compile_seconds: float | None = None  # the compiled decode step's start-up cost, once made
+        self.compile_source: str | None = None  # "compiled" or "cache" (engine.compiled_decode)
         self.fatal_error: str | None = None  # a step's device error that no later step survives (the loop stops)
         # counters (read by stats())
         self.decode_steps = 0
@@ -286,7 +288,7 @@ class EngineCore:
                 convert(draft_model, quantize, int4_group, keep_plain=True)
                 if self.device.type == "cpu":
                     tune(draft_model)
-                settle_plain(draft_model, keep=False)
+                drop_plain(draft_model)
             # its cache in the served cache's dtype: engine/sizing.py budgets a slot as the two KV slots in that dtype
             draft = DraftProposer(draft_model, self.n_slots, self.vocab_size, max_len=self.max_len,
                                   kv_dtype=self.kv_dtype, p_min=config.draft_p_min)
@@ -481,7 +483,8 @@ class EngineCore:
     def _install_compiled(self) -> None:
         """Use the compiled steps if their replay equals the eager step on the live cache; else one log line."""
         compiled, self._compiling = self._compiling, None
-        self.compile_seconds = compiled.seconds
+        self.compile_seconds, self.compile_source = compiled.seconds, compiled.source
+        drop_plain(self.model)  # the compile has read the plain weights (or failed): eager steps never do
         try:
             same = compiled.error is None and compiled.check()
         except Exception as e:  # noqa: BLE001 - a failing check costs speed, never the engine
@@ -493,8 +496,10 @@ class EngineCore:
             log.warning("the compiled decode step differs from eager decoding; decoding eagerly")
         else:
             self._compiled = compiled
-            log.info("decode steps up to %d rows compiled by inductor in %.1f s (%d batch x %d context buckets)",
-                     compiled.max_batch, compiled.seconds, len(compiled.buckets), len(compiled.contexts))
+            log.info("decode steps up to %d rows %s in %.1f s (%d batch x %d context buckets x %d kinds: %s)",
+                     compiled.max_batch, "loaded from the compile cache" if compiled.source == "cache" else
+                     "compiled ahead of time by AOTInductor", compiled.seconds, len(compiled.buckets),
+                     len(compiled.contexts), len(compiled.kinds), compiled.folder)
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -505,6 +510,7 @@ class EngineCore:
                 "prefix_copied_tokens": self.copied_tokens,
                 "generated_tokens": self.generated_tokens, "cuda_graphs": self._graphed is not None,
                 "compiled_decode": self._compiled is not None, "compiling": self._compiling is not None,
+                "compile_seconds": self.compile_seconds, "compile_source": self.compile_source,
                 "prepacked_layers": self.packed_layers, "weights": self.weights["format"],
                 "weight_bytes": self.weight_bytes, "kv_bytes": self.cache.nbytes(),
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."),

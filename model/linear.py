@@ -140,9 +140,8 @@ class PackedLinear(_Served):
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.dtype = w.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        # keep_plain: the plain weight too (as loaded: `settle_plain` frees it or gives it storage of its own), for
-        # tune's column-major copies and a compiled graph (engine/compiled_decode.py): dynamo cannot read the opaque
-        # packed tensor, and inductor packs its own constants from this buffer
+        # keep_plain: the plain weight too, as loaded, until `drop_plain`: tune's column-major copies and a compiled
+        # step (engine/compiled_decode.py) are made from it; the packed tensor is opaque to the compiler
         self.register_buffer("weight", w if keep_plain else None, persistent=False)
         self.bias = None if layer.bias is None else layer.bias.detach().clone()
         self.column_major: torch.Tensor | None = None  # MKL's one-row copy, only where tune() kept it
@@ -154,10 +153,6 @@ class PackedLinear(_Served):
 
     def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
         x = x.to(self.dtype)
-        # a graph inductor lowers itself; dynamo folds this to True while tracing, and unlike is_compiling() it reads
-        # no process-wide flag, so eager steps on the engine's thread run their kernels while a compile traces
-        if self.weight is not None and torch.compiler.is_dynamo_compiling():
-            return _act(F.linear(x, self.weight, self.bias), act)
         if x.numel() == x.shape[-1]:  # one row
             if self.column_major is not None:
                 return _act(F.linear(x, self.column_major, self.bias), act)
@@ -380,7 +375,7 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
     """Swap the block Linears (and the tied head: for none a packed copy beside the embedding, for int8/int4 one
     quantized table shared with it) for served modules, in place. fmt: none (PackedLinear on a CPU in fp32, and in
     bf16 where this CPU packs it; nothing elsewhere), int8, int4. Returns what it did (`swapped` counts the block
-    Linears). keep_plain: packed layers keep their plain weight too, as loaded, until `settle_plain`."""
+    Linears). keep_plain: packed layers keep their plain weight too, as loaded, until `drop_plain`."""
     if fmt not in FORMATS:
         raise FormatError(f"unknown weight format {fmt!r}: use one of {', '.join(FORMATS)}")
     param = next(model.parameters())
@@ -438,13 +433,12 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
     return {"format": fmt, "swapped": swapped, "group": group if fmt == "int4" else None}
 
 
-def settle_plain(model: nn.Module, keep: bool) -> None:
-    """The plain weights `convert(keep_plain=True)` kept beside the packed copies, once `tune` has made its
-    column-major copies from them: freed, or (keep: a compiled step reads them) given storage of their own, as
-    `convert` gives the rest (a loaded tensor is a view of the whole file's buffer)."""
+def drop_plain(model: nn.Module) -> None:
+    """Free the plain weights `convert(keep_plain=True)` kept beside the packed copies, once `tune` has made its
+    column-major copies from them and a compile (engine/compiled_decode.py) has read them."""
     for m in model.modules():
-        if isinstance(m, PackedLinear) and m.weight is not None:
-            m.weight = m.weight.clone() if keep else None
+        if isinstance(m, PackedLinear):
+            m.weight = None
 
 
 def quantized_format(model: nn.Module) -> str | None:

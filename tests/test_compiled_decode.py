@@ -45,31 +45,49 @@ def run(core: EngineCore, together: bool) -> dict[str, list[int]]:
     return out
 
 
-def stand_in_compiler(calls: list, shift: float = 0.0, error: Exception | None = None):
-    """CompiledDecode.compile_all without inductor: each bucket's step is the eager function, counted (and shifted
-    by `shift`, or raising `error`, to stand for a wrong or failing compile)."""
-    def compile_all(self):
+def stand_in_compiler(monkeypatch, calls: list, shift: float = 0.0, error: Exception | None = None) -> dict:
+    """AOTInductor swapped for an eager stand-in: a "package" is a file naming its bucket, and loading it gives the
+    eager `Step` it was made from, counted (and shifted by `shift`, or raising `error` when building, to stand for a
+    wrong or failing compile). Returns the packages built, by file name."""
+    built: dict = {}
+
+    def build(step, example, path):
         if error is not None:
             raise error
-        for b in self.buckets:
-            for ctx in self.contexts:
-                for kind in self.kinds:
-                    def step(*args, kind=kind):
-                        calls.append((args[1].size(0), kind))
-                        return cd._decode(*args) + shift if kind is None else cd._decode_draw(*args)
-                    self.steps[b, ctx, kind] = step
+        path.write_text("stand-in package")
+        built[path.name] = step
 
-    return compile_all
+    def load(path):
+        if path.read_text() != "stand-in package":
+            raise RuntimeError("PytorchStreamReader failed reading zip archive")
+        step = built[path.name]
+
+        def run(*args):
+            calls.append((args[0].size(0), step.kind))
+            out = step(*args)
+            return out + shift if step.kind is None else out
+
+        return run
+
+    monkeypatch.setattr(cd, "build_package", build)
+    monkeypatch.setattr(cd, "load_package", load)
+    return built
+
+
+@pytest.fixture(autouse=True)
+def compile_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(cd.CACHE_ENV, str(tmp_path / "compiled"))
+    return tmp_path / "compiled"
 
 
 def test_the_compiled_step_serves_the_batches_it_was_made_for_and_eager_the_rest(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(cd.CompiledDecode, "compile_all", stand_in_compiler(calls))
+    stand_in_compiler(monkeypatch, calls)
     core = make_core("on", compile_max_batch=1)
     assert core.stats()["compiled_decode"] and core.compile_seconds is not None
     packed = [m for m in core.model.modules() if isinstance(m, L.PackedLinear)]
-    if L.ONEDNN_LINEAR is not None:  # eager keeps oneDNN's packed copies; the graph reads the plain weights
-        assert packed and all(m.weight is not None for m in packed)
+    if L.ONEDNN_LINEAR is not None:  # eager keeps oneDNN's packed copies; the plain ones go once compiled from
+        assert packed and all(m.weight is None for m in packed)
     made = len(calls)
     alone = run(core, together=False)
     assert len(calls) - made == sum(len(v) - 1 for v in alone.values())  # every batch-1 decode step replayed
@@ -85,7 +103,8 @@ def test_the_compiled_step_serves_the_batches_it_was_made_for_and_eager_the_rest
 def test_the_engine_serves_while_the_step_compiles_and_swaps_it_in_between_steps(monkeypatch):
     calls: list = []
     release = threading.Event()
-    inner = stand_in_compiler(calls)
+    stand_in_compiler(monkeypatch, calls)
+    inner = cd.CompiledDecode.compile_all
 
     def slow_compile(self):
         release.wait(30)
@@ -102,8 +121,7 @@ def test_the_engine_serves_while_the_step_compiles_and_swaps_it_in_between_steps
 
 
 def test_a_compile_that_fails_leaves_the_engine_eager_with_one_log_line(monkeypatch, caplog):
-    monkeypatch.setattr(cd.CompiledDecode, "compile_all",
-                        stand_in_compiler([], error=RuntimeError("InductorError: no C++ compiler")))
+    stand_in_compiler(monkeypatch, [], error=RuntimeError("InductorError: no C++ compiler"))
     with caplog.at_level(logging.WARNING, logger="engine.core"):
         core = make_core("on")
     assert not core.stats()["compiled_decode"] and core.warmup_error is None
@@ -113,7 +131,7 @@ def test_a_compile_that_fails_leaves_the_engine_eager_with_one_log_line(monkeypa
 
 
 def test_a_compiled_step_that_differs_from_eager_is_dropped(monkeypatch, caplog):
-    monkeypatch.setattr(cd.CompiledDecode, "compile_all", stand_in_compiler([], shift=1.0))
+    stand_in_compiler(monkeypatch, [], shift=1.0)
     with caplog.at_level(logging.WARNING, logger="engine.core"):
         core = make_core("on")
     assert not core.stats()["compiled_decode"]
@@ -143,11 +161,44 @@ def test_quantized_weights_and_bad_modes_are_not_compiled():
         EngineCore(tiny_model(0, vocab_size=96, block_size=64), n_slots=2, vocab_size=96, compile="maybe")
 
 
-@pytest.mark.slow  # a real inductor compile (max_autotune): ~15-60 s on 2 CPU cores
-def test_inductor_compiled_tokens_equal_eager_tokens():
-    core = make_core("on", compile_max_batch=2)
-    assert core.stats()["compiled_decode"]
+@pytest.mark.slow  # real AOTInductor compiles (max_autotune), 4 packages: ~1-4 min on 2 CPU cores
+def test_compiled_tokens_equal_eager_tokens_and_a_restart_loads_them():
+    core = make_core("on")
+    assert core.stats()["compiled_decode"] and core.stats()["compile_source"] == "compiled"
     eager = run(make_core("off"), together=False)
-    assert run(core, together=False) == eager
+    assert run(core, together=False) == eager  # greedy and T = 1 drawn inside the step, top-p outside
     assert run(core, together=True) == eager
-    torch.compiler.reset()
+    again = make_core("on")
+    assert again.stats()["compile_source"] == "cache" and again.compile_seconds < 30
+    assert run(again, together=False) == eager
+
+
+def test_a_restart_loads_the_compiled_steps_from_the_cache_keyed_by_what_they_depend_on(monkeypatch, caplog,
+                                                                                     compile_cache):
+    stand_in_compiler(monkeypatch, [])
+    builds: list = []
+    build = cd.build_package
+    monkeypatch.setattr(cd, "build_package", lambda *a: builds.append(a[2].name) or build(*a))
+    first = make_core("on")
+    assert first.stats()["compile_source"] == "compiled" and len(builds) == 4  # logits + 3 plain kinds
+    assert [p.name for p in compile_cache.iterdir()] == [first._compiled.folder.name]  # a folder per key
+    again = make_core("on")  # the same weights, CPU, threads and torch: loaded, not built
+    assert again.stats()["compile_source"] == "cache" and len(builds) == 4 and again.stats()["compiled_decode"]
+    assert run(again, together=False) == run(make_core("off"), together=False)
+
+    package = next(p for p in next(compile_cache.iterdir()).iterdir() if p.suffix == ".pt2")
+    package.write_bytes(b"\0garbage")  # a corrupt package: compiled again, one log line
+    with caplog.at_level(logging.WARNING, logger="engine.compiled_decode"):
+        mended = make_core("on")
+    assert mended.stats()["compile_source"] == "compiled" and len(builds) == 8
+    assert [r.getMessage().split(" (")[-1] for r in caplog.records if "do not load" in r.getMessage()] == [
+        "RuntimeError: PytorchStreamReader failed reading zip archive); compiling them again"]
+
+    monkeypatch.setattr(torch, "__version__", "0.0.0-another")  # another torch (or CPU, threads, weights): a new key
+    make_core("on")
+    assert len(builds) == 12 and len(list(compile_cache.iterdir())) == 2
+    other = tiny_model(1, vocab_size=96, block_size=64)  # other weights
+    core = EngineCore(other, n_slots=4, vocab_size=96, prepack=True, compile="on")
+    core.warmup()
+    core.wait_compiled(60)
+    assert len(builds) == 16 and len(list(compile_cache.iterdir())) == 3

@@ -98,10 +98,10 @@ def test_the_column_major_copy_is_the_same_from_the_plain_weight_or_the_packed_o
     monkeypatch.setenv("GPT_SMALL_LINEAR", "mkl")
     kept, unpacked = small_gpt(), small_gpt()
     plain = {n: p.detach().clone() for n, p in kept.named_parameters()}
-    L.convert(kept, "none", keep_plain=True)  # the engine's way: tune copies the plain weight, then settle_plain
+    L.convert(kept, "none", keep_plain=True)  # the engine's way: tune copies the plain weight, then drop_plain
     L.convert(unpacked, "none")  # packed only: tune unpacks through the matmul
     L.tune(kept), L.tune(unpacked)
-    L.settle_plain(kept, keep=False)
+    L.drop_plain(kept)
     a = [m for m in kept.modules() if isinstance(m, L.PackedLinear)]
     b = [m for m in unpacked.modules() if isinstance(m, L.PackedLinear)]
     assert all(m.weight is None for m in a)

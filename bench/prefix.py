@@ -156,8 +156,8 @@ def distinct_bodies(args, seed: int) -> list[dict[str, Any]]:
 def admission_cost(slots: int = 256, prompt_len: int = 600, admissions: int = 400) -> dict[str, Any]:
     """Microseconds per admission at `slots` slots, every one caching a different conversation: the scheduler
     alone (match over the index, LRU choice, index upkeep), cache on vs off."""
+    from engine.params import SamplingParams
     from engine.request import EngineRequest
-    from engine.sampling import SamplingParams
     from engine.scheduler import Scheduler
 
     class D:  # a draw as the sampler returns it
@@ -198,8 +198,8 @@ def determinism(checkpoint: Path, conversations: int = 6, turns: int = 5, new: i
     import torch
 
     from engine.core import EngineCore
+    from engine.params import SamplingParams
     from engine.request import EngineRequest
-    from engine.sampling import SamplingParams
     from model.checkpoint import load_checkpoint
 
     ck = load_checkpoint(checkpoint)

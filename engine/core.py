@@ -9,7 +9,7 @@
 It owns the scheduler (`engine.scheduler`), the KV cache, the sampler and the CUDA graphs, and runs vLLM V1's
 step: schedule → execute → update. Whoever drives it (the library's `generate`, the server's core process or
 its engine thread) reads the outputs, detokenizes them and calls `abort` when a stop string ends a request.
-The sampling state of every slot lives on the model's device (`engine.sampling.Sampler`), and the noise of each
+The sampling state of every slot lives on the model's device (`engine.sampler.Sampler`), and the noise of each
 token is a function of (seed, position, token id), so a seeded or greedy request gives the same tokens alone or
 batched.
 
@@ -43,9 +43,10 @@ import torch
 from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
 from engine.compiled_decode import one_line
 from engine.compiled_decode import resolve_mode as resolve_compile
+from engine.params import SamplingParams, bad_token
 from engine.prompt_logprobs import PROMPT_LOGPROBS_PIECE, PromptScorer
 from engine.request import EngineRequest, ErrorKind, RequestOutput, check_context
-from engine.sampling import Sampler, SamplingParams, bad_token
+from engine.sampler import Sampler
 from engine.scheduler import Scheduler, Step, finish_reason
 from engine.sizing import SizingError
 from engine.spec_decode import SpecConfig, Speculator
@@ -142,7 +143,7 @@ class EngineCore:
         # validation (app/validation.py, engine.generate) applied these rules and drew the seed; here they are asserts
         check_context(len(request.prompt), max(p.max_new_tokens, 0), self.max_len, "the engine's context length")
         if p.seed is None:
-            raise ValueError("the request has no seed: validation draws one (engine.sampling.draw_seed)")
+            raise ValueError("the request has no seed: validation draws one (engine.params.draw_seed)")
         if p.max_new_tokens < 0:  # 0: the request only runs (and scores) its prompt
             raise ValueError(f"max_new_tokens must be >= 0, got {p.max_new_tokens}")
         if request.prompt_logprobs is not None and request.prompt_logprobs < 0:

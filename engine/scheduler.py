@@ -43,9 +43,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.params import SamplingParams
 from engine.prefix_cache import DEFAULT_BLOCK, PrefixIndex
 from engine.request import EngineRequest, ErrorKind, RequestOutput
-from engine.sampling import SamplingParams
 from engine.stopping import FinishReason
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from engine.params import SamplingParams
 from engine.request import EngineRequest, ErrorKind
-from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stopping import FinishReason
 

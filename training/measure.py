@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.generate import generate
-from engine.sampling import MAX_SEED, SamplingParams
+from engine.params import MAX_SEED, SamplingParams
 from model.gpt import GPT
 from model.task_head import TaskHead, make_batch, special_ids, task_logits
 from model.tokenizer import Tokenizer

@@ -19,7 +19,7 @@ from app import __version__
 from app.config import Settings, SettingsError, load_settings
 from app.serve import serve
 from app.service import CoreHandle, StartupError, load_model
-from engine.core_process import CoreConfig
+from engine.build import CoreConfig
 
 log = logging.getLogger("app")
 

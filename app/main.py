@@ -15,7 +15,7 @@ import sys
 from app.config import SettingsError, load_settings
 from app.server import create_app
 from app.service import CoreHandle, StartupError, load_model
-from engine.core_process import CoreConfig
+from engine.build import CoreConfig
 
 try:
     settings = load_settings()

@@ -20,15 +20,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from app.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from app.config import Settings
 from app.errors import ApiError, outcome_labels, status_of
 from app.metrics import Metrics
 from app.responses import ResponseStore
 from app.validation import Limits, Plan
+from engine.build import CoreConfig, StartupError, build_core, load_model
 from engine.client import EngineClient, EngineError, ProcessEngineClient, ThreadEngineClient
-from engine.core_process import CoreConfig, CoreProcess, StartupError, build_core, load_model
+from engine.core_process import CoreProcess
 from engine.output_processor import RequestState
+from model.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from model.checkpoint import CheckpointError, read_checkpoint
 
 log = logging.getLogger("app")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from app.chat_template import ChatTemplate, ChatTemplateError
 from app.errors import invalid
 from app.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from app.protocol.tgi import TGIParameters, TGIRequest
@@ -23,6 +22,7 @@ from app.tools import ToolPlan, named_spec, required_spec
 from engine.params import GREEDY_TEMPERATURE, MAX_SEED, SamplingParams, bad_token, draw_seed
 from engine.request import StructuredSpec, context_problem
 from engine.structured_output import GrammarError, Grammars
+from model.chat_template import ChatTemplate, ChatTemplateError
 from model.tokenizer import Tokenizer
 
 

@@ -4,7 +4,7 @@
     python -m bench.formats --checkpoint checkpoints/shakespeare --formats fp32,bf16,fp16,int8,int4 --batches 1,16
     python -m bench.formats --formats fp32,fp32+kv-bf16,int8,int8+kv-bf16 --prompt-tokens 300 --no-quality
 
-Speed: the engine core built as the server builds it (`engine.core_process.build_core`: prepacked / quantized
+Speed: the engine core built as the server builds it (`engine.build.build_core`: prepacked / quantized
 weights, the warm-up, 32 slots) on the random GPT-2 124M of bench/common.py (or `--checkpoint`); per format, the
 median time of a decode step at each batch (every slot decoding greedily, `--new-tokens` steps after the prompts)
 and of a 512-token prefill (the context less one where shorter). Formats are interleaved round by round (a loaded
@@ -42,7 +42,7 @@ def one_round(fmt: str, batches: list[int], new_tokens: int, threads: int | None
     long prefill."""
     import torch
 
-    from engine.core_process import CoreConfig, build_core
+    from engine.build import CoreConfig, build_core
     from engine.params import SamplingParams
     from engine.request import EngineRequest
 

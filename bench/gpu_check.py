@@ -89,13 +89,11 @@ def run_tests() -> dict:
 # ---------------------------------------------------------------------------------------------- serve
 def serve_check(ck_dir: Path, timeout: float = 600) -> dict:
     """`python -m app` with its defaults on this machine (device auto → the GPU), then /info and two requests."""
-    import socket
-
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from bench.harness import free_port
+
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, "-m", "app", "--checkpoint", str(ck_dir), "--host", "127.0.0.1",

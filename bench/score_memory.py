@@ -3,7 +3,7 @@
 Every slot of the server's engine core gets a full-context prompt (block_size - 1 tokens) with prompt
 log-probabilities and the top-1 alternative (lm-eval's `logprobs: 1`), scored only (`max_tokens: 0`) or with one
 generated token (`max_tokens: 1`, lm-eval's request). The core is built as the server builds it
-(`engine.core_process.build_core`: the same slots, prefill chunk, dtype and KV cache), so the numbers are the
+(`engine.build.build_core`: the same slots, prefill chunk, dtype and KV cache), so the numbers are the
 server's. Reported, against the KV cache's budget (`engine.sizing.plan_slots`: per slot a full-length KV
 cache plus a 4 MiB allowance for the sampler and a step's logits):
 
@@ -96,8 +96,8 @@ def run_batch(core, n: int, prompt_len: int, vocab: int, max_new: int, prompt_lo
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.build import CoreConfig, build_core
     from engine.core import PROMPT_LOGPROBS_PIECE
-    from engine.core_process import CoreConfig, build_core
 
     p = argparse.ArgumentParser(prog="python -m bench.score_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", type=Path, help="default: a random GPT-2 124M (built once, cached)")

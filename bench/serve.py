@@ -29,8 +29,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +48,7 @@ from bench.common import (
     warn_contention,
     write_result,
 )
+from bench.harness import Server, SSEConnection, app_server
 
 # name → the TGI `parameters` of a request (a per-request seed is added to the sampled ones) and the
 # equivalent SamplingParams of the library loop
@@ -61,12 +60,6 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 
 PROMPT = ("The service had been running for three days when the first request for a longer story arrived, "
           "and the operators, who had expected nothing of the kind, gathered around the single screen to watch")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_loopback(url: str) -> None:
@@ -108,135 +101,6 @@ def app_default_max_batch() -> int | None:
         return CPU_DEFAULT_BATCH
     except ImportError:
         return None
-
-
-class Server:
-    """`python -m app` in a subprocess on 127.0.0.1, stopped with SIGTERM (then SIGKILL) on exit.
-
-    max_batch None leaves GPT_MAX_BATCH_SIZE to the app's default (any value in the environment is dropped).
-    """
-
-    def __init__(self, checkpoint: Path, max_batch: int | None, threads: int, log: Path,
-                 engine: str | None = None, extra_env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if k != "GPT_MAX_BATCH_SIZE"}
-        env.update({"GPT_LOG_LEVEL": "warning", "GPT_DEVICE": "cpu", "GPT_DTYPE": "fp32", "GPT_MAX_QUEUE": "1000"})
-        env.pop("GPT_TORCH_THREADS", None)
-        if threads:  # None: the server's default (the core process takes every core but one per HTTP front)
-            env["GPT_TORCH_THREADS"] = str(threads)
-        if max_batch is not None:
-            env["GPT_MAX_BATCH_SIZE"] = str(max_batch)
-        if engine is not None:  # process (the default: the engine core in its own process) or thread
-            env["GPT_ENGINE"] = engine
-        env.update(extra_env or {})
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "--checkpoint", str(checkpoint), "--host", "127.0.0.1",
-             "--port", str(self.port)], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server not ready after {timeout:.0f}s; see {self.log.name}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-    def cpu_s(self) -> float | None:
-        """CPU seconds (user + system) the server process has used so far."""
-        return proc_cpu_s(self.proc.pid)
-
-
-def proc_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system) of process `pid`, from /proc (None where unavailable)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-class SSEConnection:
-    """A lean HTTP/1.1 client for SSE streams over one keep-alive connection (asyncio streams).
-
-    Why not httpx: on a 2-core machine that runs the server too, httpx's per-line parsing costs about
-    0.4 of a core at 2,000 events/s, which the server then loses (measured: 2,420 vs 3,750 tok/s for
-    the same server at 64 streams). This client only splits chunks and events and timestamps them;
-    it parses JSON only for an error event.
-    """
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def post_stream(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        times: list[float] = []
-        error = None
-        try:
-            await asyncio.wait_for(self._exchange(path, body, t0, times), timeout)
-        except Exception as e:  # noqa: BLE001 - any failure of a request is counted, not fatal
-            error = f"{type(e).__name__}: {e}"
-            self.close()
-        if error is None and getattr(self, "_error", None):
-            error, self._error = self._error, None
-        return {"start": t0, "times": times, "error": error}
-
-    async def _exchange(self, path: str, body: dict[str, Any], t0: float, times: list[float]) -> None:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        data = json.dumps(body).encode()
-        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                          f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(head.split(b" ", 2)[1])
-        headers = head.lower()
-        if b"transfer-encoding: chunked" not in headers:
-            n = int(headers.split(b"content-length:")[1].split(b"\r\n")[0]) if b"content-length:" in headers else 0
-            payload = await self.reader.readexactly(n)
-            self._error = f"HTTP {status}: {payload[:200]!r}"
-            return
-        pending = b""
-        while True:
-            size = int((await self.reader.readuntil(b"\r\n"))[:-2], 16)
-            chunk = await self.reader.readexactly(size + 2)
-            if size == 0:
-                return
-            now = time.perf_counter() - t0
-            pending += chunk[:-2]
-            *events, pending = pending.split(b"\n\n")
-            for ev in events:
-                if not ev.startswith(b"data:"):
-                    continue
-                if status != 200 or ev.startswith(b'data:{"error"'):
-                    self._error = f"error event: {json.loads(ev[5:]).get('error')}"
-                    continue
-                times.append(now)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = None
 
 
 async def run_level(url: str, streams: int, requests: int, max_new: int, budget_s: float,
@@ -422,11 +286,11 @@ def main(argv: list[str] | None = None) -> int:
             check_loopback(args.url)
             urls = {"server": args.url}
         else:
-            servers["batched"] = Server(args.checkpoint, max(levels), args.threads, logs / "batched.log")
+            servers["batched"] = app_server(args.checkpoint, max(levels), args.threads, logs / "batched.log")
             if not args.no_default:
-                servers["default"] = Server(args.checkpoint, None, args.threads, logs / "default.log")
+                servers["default"] = app_server(args.checkpoint, None, args.threads, logs / "default.log")
             if not args.no_unbatched:
-                servers["unbatched"] = Server(args.checkpoint, 1, args.threads, logs / "unbatched.log")
+                servers["unbatched"] = app_server(args.checkpoint, 1, args.threads, logs / "unbatched.log")
             for s in servers.values():
                 s.wait_ready()
             urls = {name: s.url for name, s in servers.items()}

@@ -10,7 +10,7 @@ prompts are bench/speculative.py's copy workload (a held-out tinyshakespeare pas
 requests, as many new tokens as the passage), sent as token ids so both servers see identical prompts, greedy
 (temperature 0, `ignore_eos`), one request at a time.
 
-Servers (bench/peers.py's machinery: server_command, Server, stream_request, chunk_info):
+Servers (bench/peers.py's server_command and stream_request, bench/harness.py's Server):
 - ours-off / ours-ngram / ours-ngram-k15: `python -m app --dtype fp32` with `--speculative off` / `ngram` (its
   defaults: k 8, n-grams 3-4) / ngram with `--num-speculative-tokens 15` (the most one request gets per pass),
   `--torch-threads THREADS`, default slots and the default `--compile auto` (the decode step compiled in the background
@@ -41,15 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import CACHE, REPO, env_info, median, print_table, set_threads, write_result
+from bench.harness import Server, free_port, proc_cpu_s, proc_tree
+from bench.peer_setup import llama_binary, run_logged
 from bench.peers import (
     MODEL_NAME,
-    Server,
     completion_body,
     first_mismatch,
-    free_port,
     greedy_ids,
     lscpu_info,
-    run_logged,
     server_command,
     stream_request,
 )
@@ -65,10 +64,10 @@ SERVERS: dict[str, dict[str, Any]] = {
     "ours-ngram": {"kind": "ours", "speculative": "ngram"},
     # 15 proposed tokens: the most one request gets (engine/spec_decode/config.py VERIFY_POSITIONS 16 per pass)
     "ours-ngram-k15": {"kind": "ours", "speculative": "ngram", "args": ["--num-speculative-tokens", "15"]},
-    # threads left to the server (engine.core_process.choose_threads: one of two cores for a model this small)
+    # threads left to the server (engine.cpu_tuning.choose_threads: one of two cores for a model this small)
     "ours-off-auto": {"kind": "ours", "speculative": "off", "default_threads": True},
     # the decode step left eager (GPT_COMPILE=off; the others use the default, auto: compiled for a model this small,
-    # engine/compiled_decode.py, waited for by bench/peers.Server.wait_ready)
+    # engine/compiled_decode.py, waited for by bench/harness.Server.wait_ready)
     "ours-eager": {"kind": "ours", "speculative": "off", "args": ["--compile", "off"]},
     "ours-ngram-eager": {"kind": "ours", "speculative": "ngram", "args": ["--compile", "off"]},
     "ours-ngram-auto": {"kind": "ours", "speculative": "ngram", "default_threads": True},
@@ -194,16 +193,7 @@ def busy_cpu_s() -> float:
 
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds used by pid's process tree (alive members) and by this process."""
-    from bench.peers import proc_tree
-
-    total = sum(os.times()[:2])
-    for p in proc_tree(pid):
-        try:
-            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
+    return sum(os.times()[:2]) + sum(s for p in proc_tree(pid) if (s := proc_cpu_s(p)) is not None)
 
 
 def export_gguf(checkpoint: Path, peers: Path) -> Path:
@@ -267,7 +257,6 @@ def fetch_ids(kind: str, url: str, prompts: list[tuple[list[int], int]], tok, ti
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.peers import llama_binary
     from bench.spec_models import COPY_DIR
 
     ap = argparse.ArgumentParser(prog="python -m bench.spec_peers", description=__doc__.split("\n\n")[0])

@@ -56,7 +56,8 @@ from bench.common import (
     warn_contention,
     write_result,
 )
-from bench.serve import WORKLOADS, Server, library_level, parse_workloads, run_level
+from bench.harness import Server, app_server
+from bench.serve import WORKLOADS, library_level, parse_workloads, run_level
 
 PROMPT = ("The service had been running for three days when the first request for a longer story arrived, "
           "and the operators, who had expected nothing like it, gathered to watch")  # 32 tokens (r50k_base)
@@ -279,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="bench-stack-"))
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     # the core process keeps its default threads (every core but one per front): the settings users run
-    servers = {e: Server(ck_dir, max_batch, None if e == "process" else threads, logs / f"server-{e}.log", engine=e)
+    servers = {e: app_server(ck_dir, max_batch, None if e == "process" else threads, logs / f"server-{e}.log",
+                             engine=e)
                for e in engines}
     results: dict[str, list[dict[str, Any]]] = {w: [] for w in workloads}
     try:

@@ -5,13 +5,15 @@ operators by kind, and what HTTP streaming adds on top.
     python -m bench.token_cost --gpt2 --compile off --quantize int8
 
 For each `--compile` mode (interleaved over `--rounds`): the engine core built as the server builds it
-(`engine.core_process.build_core`, default settings, `--threads` torch threads; a compile waited for), one greedy
-and one seeded sampled request of `--tokens` tokens decoded alone, every step timed, with the model's forward (the
-eager `forward_cached` or the compiled step) and the sampler's draw timed inside it: per-token medians of step,
-forward, sampler and the rest (scheduler, outputs, grammar and bookkeeping). Then 50 steps under torch.profiler,
-self CPU time per operator kind (matmuls, attention, a compiled graph's call, dynamo's guard lookup, the rest).
-Then `python -m app` with the same settings, a greedy stream over HTTP (`/generate_stream`): the median gap between
-token events, and `http_overhead_ms` = that gap less the in-process step. Writes bench/results/<out>.json.
+(`engine.build.build_core`, default settings, `--threads` torch threads; a compile waited for), one greedy, one
+seeded T = 1 and one seeded T = 0.8 top-p 0.95 request of `--tokens` tokens decoded alone, every step timed, with
+the model's forward (the eager `forward_cached` or the compiled step, which draws greedy and T = 1 tokens itself:
+engine/plain_draw.py) and the sampler's part (its draw, or recording the compiled step's draw) timed inside it:
+per-token medians of step, forward, sampler and the rest (scheduler, outputs, grammar and bookkeeping). Then 50
+steps under torch.profiler, self CPU time per operator kind (matmuls, attention, a compiled graph's call, dynamo's
+guard lookup, the rest). Then `python -m app` with the same settings, a greedy stream over HTTP
+(`/generate_stream`): the median gap between token events, and `http_overhead_ms` = that gap less the in-process
+step. Writes bench/results/<out>.json.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def timed(fn, sink: list[float]):
 def in_process(checkpoint: str, quantize: str, compile: str, threads: int, tokens: int) -> dict[str, Any]:
     from torch.profiler import profile
 
-    from engine.core_process import CoreConfig, build_core
+    from engine.build import CoreConfig, build_core
     from engine.params import SamplingParams
     from engine.request import EngineRequest
 
@@ -67,9 +69,11 @@ def in_process(checkpoint: str, quantize: str, compile: str, threads: int, token
     if core._compiled is not None:
         core._compiled.replay = timed(core._compiled.replay, forward)
     core.sampler.step = timed(core.sampler.step, sampler)
+    core.sampler.take = timed(core.sampler.take, sampler)  # a draw made inside the compiled step: its read-back
     out: dict[str, Any] = {"compiled_decode": compiled, "compile_s": core.compile_seconds,
                            "weight_bytes": info["weight_bytes"]}
     for name, params in (("greedy", SamplingParams(max_new_tokens=tokens, temperature=0.0, stop_at_eos=False)),
+                         ("sampled_t1", SamplingParams(max_new_tokens=tokens, temperature=1.0, stop_at_eos=False)),
                          ("sampled", SamplingParams(max_new_tokens=tokens, temperature=0.8, top_p=0.95,
                                                     stop_at_eos=False))):
         core.add(EngineRequest(name, list(range(10, 42)), params, seed=1))
@@ -106,7 +110,7 @@ def over_http(checkpoint: str, quantize: str, compile: str, threads: int, tokens
 
     import httpx
 
-    from bench.peers import Server, free_port
+    from bench.harness import Server, free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "app", "--checkpoint", checkpoint, "--port", str(port), "--host", "127.0.0.1",
@@ -170,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                 rec["http"] = over_http(checkpoint, args.quantize, m, args.threads, args.tokens)
                 rec["http"]["overhead_ms"] = round(rec["http"]["token_gap_ms"] - rec["greedy"]["step"], 3)
             rounds[m].append(rec)
-            print(f"round {r} compile={m}: greedy {rec['greedy']} sampled {rec['sampled']['step']} ms "
+            print(f"round {r} compile={m}: greedy {rec['greedy']} T=1 {rec['sampled_t1']['step']} ms, T=0.8 "
+                  f"top-p 0.95 {rec['sampled']['step']} ms "
                   f"profile {rec['profile_ms_per_step']} http {rec.get('http')}", flush=True)
     data = {"env": env_info(), "checkpoint": checkpoint, "quantize": args.quantize, "threads": args.threads,
             "tokens": args.tokens, "rounds": rounds}

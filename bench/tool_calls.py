@@ -4,7 +4,7 @@ on held-out prompts, and answers in text where no call is wanted (the tool-calli
     python -m bench.tool_calls --url http://127.0.0.1:8000 --val /tmp/shtools/val.jsonl [--limit 300]
                                [--out tool-calls]
 
-Each line of --val (OpenAI's fine-tuning format with `tools`, as training/shakespeare_tools.py writes) gives a
+Each line of --val (OpenAI's fine-tuning format with `tools`, as training/shakespeare/tools.py writes) gives a
 prompt (the messages before the first assistant message) and what that message is: a call (function and
 arguments) or text. The prompt goes to the server's /v1/chat/completions with the line's tools, tool_choice auto,
 greedy, through the unmodified openai SDK; the reply's `tool_calls` are what the server's parser found.
@@ -77,7 +77,7 @@ def run(url: str, val: Path, limit: int, max_tokens: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.tool_calls", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", required=True, help="a running server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--val", required=True, type=Path, help="held-out JSONL with tools (training/shakespeare_tools)")
+    p.add_argument("--val", required=True, type=Path, help="held-out JSONL with tools (training/shakespeare/tools.py)")
     p.add_argument("--limit", type=int, default=300)
     p.add_argument("--max-tokens", type=int, default=60)
     p.add_argument("--out", default="tool-calls", help="bench/results/<out>.json")

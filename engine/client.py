@@ -223,7 +223,7 @@ class _ThreadTransport:
 
 
 class ThreadEngineClient(EngineClient):
-    """The core loop on a thread of this process (`core`, `info`, `classify` from core_process.build_core)."""
+    """The core loop on a thread of this process (`core`, `info`, `classify` from engine.build.build_core)."""
 
     def __init__(self, core, tokenizer: Tokenizer, *, info: dict | None = None, classify=None, warmup: bool = True,
                  **kw) -> None:

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from dataclasses import dataclass
 
 import torch
 
 from engine.cuda_graphs import BUCKETS, CONTEXT_BUCKETS, context_buckets, step_key
+from engine.plain_draw import KINDS, Kind, plain_draw
+from engine.sampler import Sampler
 from model.gpt import GPT
 from model.kv_cache import KVCache
 
@@ -68,6 +71,21 @@ def _decode(model: GPT, tokens: torch.Tensor, k: list[torch.Tensor], v: list[tor
     return model.decode_static(tokens, _SlotsView(k, v, lengths_t, arange, max_len), kv_len)
 
 
+def _decode_draw(model: GPT, tokens: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor],
+                 lengths_t: torch.Tensor, arange: torch.Tensor, max_len: int, kv_len: int, kind: Kind, vocab: int,
+                 block: int, inv_temp: torch.Tensor, seed_key: torch.Tensor, length: torch.Tensor,
+                 prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode step and the plain draw of its rows (engine/plain_draw.py) as one graph: (token, logprob)."""
+    logits = model.decode_static(tokens, _SlotsView(k, v, lengths_t, arange, max_len), kv_len)
+    return plain_draw(logits, vocab, block, kind, inv_temp, seed_key, length - prompt_len)
+
+
+def _own_code(fn, name: str):
+    """`fn` with a code object of its own: dynamo keeps its compiled entries per code object, so one per bucket
+    keeps each replay's cache a single entry (no limit of 8 entries to reach, no guards to tell them apart)."""
+    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__)
+
+
 def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype, quantize: str) -> str:
     """on / off for this model: only a CPU's unquantized decode step is compiled (fbgemm's packed int8 is opaque to
     dynamo; CUDA has its graphs); auto also needs fp32 and a small model (AUTO_MAX_BLOCK_PARAMS)."""
@@ -96,14 +114,19 @@ def _like(t: torch.Tensor, copy: bool = False, rows: int | None = None) -> torch
 
 
 class CompiledDecode:
-    """Compiled decode steps for batches up to `max_batch` over `cache`, made by `start()` in a thread."""
+    """Compiled decode steps for batches up to `max_batch` over `cache`, made by `start()` in a thread: per (batch,
+    context) bucket one step that returns logits, and with a `sampler`, one per plain kind (engine/plain_draw.py)
+    that returns the drawn tokens."""
 
-    def __init__(self, model: GPT, cache: KVCache, max_batch: int, contexts=CONTEXT_BUCKETS) -> None:
-        self.model, self.cache, self.max_batch = model, cache, max_batch
+    def __init__(self, model: GPT, cache: KVCache, max_batch: int, contexts=CONTEXT_BUCKETS,
+                 sampler: Sampler | None = None) -> None:
+        self.model, self.cache, self.max_batch, self.sampler = model, cache, max_batch, sampler
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
         self.contexts = context_buckets(cache.max_len, contexts)
+        self.kinds: tuple[Kind | None, ...] = (None,) + (KINDS if sampler is not None else ())
         self.tokens = torch.zeros(max_batch, 1, dtype=torch.long, device=cache.device)
-        self.steps: dict[tuple[int, int], object] = {}
+        self.steps: dict[tuple[int, int, Kind | None], object] = {}
+        self._arg_cache: dict[tuple[int, int, Kind | None], tuple] = {}
         self.error: str | None = None
         self.seconds: float | None = None
         self._done = threading.Event()
@@ -136,38 +159,56 @@ class CompiledDecode:
             self._done.set()
 
     def compile_all(self) -> None:
-        """Compile each (batch, context) bucket against scratch tensors shaped like the cache (the live cache is
-        never written from here; `_like` makes each one as its live tensor is, inference tensor or not)."""
+        """Compile each (batch, context, kind) bucket against scratch tensors shaped like the cache and the sampler's
+        state (the live ones are never written from here; `_like` makes each one as its live tensor is, inference
+        tensor or not)."""
         import torch._inductor.config
 
-        c = self.cache
+        c, s = self.cache, self.sampler
         # as large as the cache's own tensors (dynamo guards on a view's base too), but only the first max_batch
         # slots are read or written (zeroed here); the rest stays untouched, uncommitted memory
-        scratch_k = [_like(t, rows=self.max_batch) for t in c.k]
-        scratch_v = [_like(t, rows=self.max_batch) for t in c.v]
-        lengths, tokens, arange = _like(c.lengths_t), _like(self.tokens), _like(c._arange, copy=True)
+        scratch = _Scratch(
+            k=[_like(t, rows=self.max_batch) for t in c.k], v=[_like(t, rows=self.max_batch) for t in c.v],
+            lengths_t=_like(c.lengths_t), tokens=_like(self.tokens), arange=_like(c._arange, copy=True),
+            draw=[_like(t, copy=True) for t in s.plain_inputs(s.n_slots)] if s is not None else [])  # 1/T > 0
         with torch._inductor.config.patch(CPU_OPTIONS), torch.inference_mode():  # freezing: read outside the options
             for b in self.buckets:
                 for ctx in self.contexts:
-                    fn = torch.compile(_decode, fullgraph=True, dynamic=False)
-                    args = (self.model, tokens[:b], [t[:b] for t in scratch_k], [t[:b] for t in scratch_v],
-                            lengths[:b], arange, c.max_len, ctx)
-                    fn(*args)
-                    fn(*args)  # a second call: no guard fails, nothing recompiles
-                    self.steps[b, ctx] = fn
+                    for kind in self.kinds:
+                        fn = torch.compile(_own_code(_decode if kind is None else _decode_draw,
+                                                     f"decode_{b}_{ctx}_{kind or 'logits'}"),
+                                           fullgraph=True, dynamic=False)
+                        args = self._args(b, ctx, kind, scratch)
+                        fn(*args)
+                        fn(*args)  # a second call: no guard fails, nothing recompiles
+                        self.steps[b, ctx, kind] = fn
 
     # ------------------------------------------------------------------ replaying
-    def _args(self, b: int, ctx: int) -> tuple:
+    def _args(self, b: int, ctx: int, kind: Kind | None, scratch: _Scratch | None = None) -> tuple:
+        """The step's arguments: views of the live cache and sampler state (made once per bucket: the same views
+        every replay), or of `scratch` while compiling."""
+        if scratch is None and (b, ctx, kind) in self._arg_cache:
+            return self._arg_cache[b, ctx, kind]
         c = self.cache
-        return (self.model, self.tokens[:b], [t[:b] for t in c.k], [t[:b] for t in c.v], c.lengths_t[:b], c._arange,
-                c.max_len, ctx)
+        src = scratch or _Scratch(k=c.k, v=c.v, lengths_t=c.lengths_t, tokens=self.tokens, arange=c._arange,
+                                  draw=list(self.sampler.plain_inputs(self.sampler.n_slots)) if self.sampler else [])
+        args = (self.model, src.tokens[:b], [t[:b] for t in src.k], [t[:b] for t in src.v], src.lengths_t[:b],
+                src.arange, c.max_len, ctx)
+        if kind is not None:
+            s = self.sampler
+            args += (kind, s.vocab_size, s.block, *(t[:b] for t in src.draw))
+        if scratch is None:
+            self._arg_cache[b, ctx, kind] = args
+        return args
 
-    def replay(self, n: int) -> torch.Tensor:
-        """Logits of the compiled step over slots 0..n-1 (self.tokens[:n] already written); the cache not advanced."""
+    def replay(self, n: int, kind: Kind | None = None):
+        """The compiled step over slots 0..n-1 (self.tokens[:n] already written; the cache not advanced): logits,
+        or with a plain `kind` the (token, logprob) drawn."""
         b, ctx = step_key(self.cache, n, self.buckets, self.contexts)
         # the arguments are the same views with the same shapes every time: the guards cannot fail
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            return self.steps[b, ctx](*self._args(b, ctx))[:n]
+            out = self.steps[b, ctx, kind](*self._args(b, ctx, kind))
+        return out[:n] if kind is None else (out[0][:n], out[1][:n])
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, n: int) -> torch.Tensor:
@@ -178,16 +219,44 @@ class CompiledDecode:
         return out
 
     @torch.inference_mode()
+    def draw(self, tokens: torch.Tensor, n: int, kind: Kind) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens drawn for slots 0..n-1 fed `tokens` (n,), whose rows are plain of `kind`
+        (`Sampler.plain_kind`), with their log-probabilities; advances the cache (the sampler records them)."""
+        self.tokens[:n, 0].copy_(tokens)
+        out = self.replay(n, kind)
+        self.cache.advance(range(n), 1)
+        return out
+
+    @torch.inference_mode()
     def check(self, atol: float = 1e-3) -> bool:
         """Each compiled bucket equals the eager step on the live cache (written at each row's next position, which
-        the row's next step overwrites, as a CUDA graph's padding rows do; the cache is not advanced)."""
-        for (b, ctx), fn in self.steps.items():
-            args = self._args(b, ctx)
-            eager = _decode(*args).float()
+        the row's next step overwrites, as a CUDA graph's padding rows do; the cache is not advanced): the same
+        logits, and for a draw the same tokens as plain_draw on the eager logits."""
+        for (b, ctx, kind), fn in self.steps.items():
+            args = self._args(b, ctx, kind)
+            eager = _decode(*args[:8])
             # guards evaluated this once: the live views must pass the guards the scratch tensors set, or the
             # replay (which skips them) would run a graph made for other tensors; a recompile here is an error
             with torch.compiler.set_stance("fail_on_recompile"):
-                got = fn(*args).float()
-            if not torch.allclose(got, eager, atol=atol, rtol=1e-2):
+                got = fn(*args)
+            if kind is None:
+                same = torch.allclose(got.float(), eager.float(), atol=atol, rtol=1e-2)
+            else:
+                inv_temp, seed_key, length, prompt_len = args[11:]
+                token, logprob = plain_draw(eager, *args[9:11], kind, inv_temp, seed_key, length - prompt_len)
+                same = torch.equal(got[0], token) and torch.allclose(got[1], logprob, atol=atol, rtol=1e-2)
+            if not same:
                 return False
         return bool(self.steps)
+
+
+@dataclass
+class _Scratch:
+    """The tensors a step reads: the live cache's and sampler's, or scratch ones of the same shapes (compile)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    lengths_t: torch.Tensor
+    tokens: torch.Tensor
+    arange: torch.Tensor
+    draw: list[torch.Tensor]

@@ -55,7 +55,7 @@ from engine.spec_decode.config import VERIFY_POSITIONS
 from engine.structured_output import Grammars, Matchers
 from model.gpt import GPT
 from model.kv_cache import KVCache, device_index
-from model.linear import DEFAULT_INT4_GROUP, convert, tune, weight_bytes
+from model.linear import DEFAULT_INT4_GROUP, convert, settle_plain, tune, weight_bytes
 
 log = logging.getLogger("engine.core")
 
@@ -107,10 +107,12 @@ class EngineCore:
         self._compiled = None  # the compiled decode steps in use (engine.compiled_decode), once checked
         self._compiling = None  # ... while their compile runs in the background
         if quantize != "none" or (prepack and self.device.type == "cpu"):
-            # compiling: the packed layers keep their plain weight too, for the graph (eager keeps its kernels)
-            self.weights = convert(model, quantize, int4_group, keep_plain=self.compile == "on")
+            # the packed layers keep their plain weight until `tune` has copied the ones it gives MKL (no unpacking
+            # through a GEMM), and when compiling for good: the graph reads them (eager keeps its kernels)
+            self.weights = convert(model, quantize, int4_group, keep_plain=True)
             if self.device.type == "cpu":
                 self.kernels = tune(model)
+            settle_plain(model, keep=self.compile == "on")
         self.packed_layers = self.weights["swapped"] if self.weights["format"] == "none" else 0
         self.weight_bytes = weight_bytes(model)
         # prefix caching (engine.prefix_cache): off here; the server turns it on (GPT_PREFIX_CACHE)
@@ -256,11 +258,15 @@ class EngineCore:
                 draws += verified
             else:
                 graphed = self._graphed or self._compiled
-                if graphed is not None and n <= graphed.max_batch:
-                    logits = graphed(self.sampler.last[:n], n)
+                kind = self.sampler.plain_kind(range(n)) if self._compiled and n <= self._compiled.max_batch else None
+                if kind is not None:  # the draw is inside the compiled step (engine/plain_draw.py)
+                    draws += self.sampler.take(range(n), *self._compiled.draw(self.sampler.last[:n], n, kind))
                 else:
-                    logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
-                draws += self.sampler.step(logits, range(n), masks.next(step.decode) if masks else None)
+                    if graphed is not None and n <= graphed.max_batch:
+                        logits = graphed(self.sampler.last[:n], n)
+                    else:
+                        logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
+                    draws += self.sampler.step(logits, range(n), masks.next(step.decode) if masks else None)
             self.decode_steps += 1
         self.generated_tokens += len(draws)
         if masks:
@@ -279,9 +285,10 @@ class EngineCore:
             if draft_model is None:
                 raise ValueError("speculative method draft needs the draft model (draft_model)")
             if quantize != "none" or (prepack and self.device.type == "cpu"):  # the draft in the target's format
-                convert(draft_model, quantize, int4_group)
+                convert(draft_model, quantize, int4_group, keep_plain=True)
                 if self.device.type == "cpu":
                     tune(draft_model)
+                settle_plain(draft_model, keep=False)
             # its cache in the served cache's dtype: engine/sizing.py budgets a slot as the two KV slots in that dtype
             draft = DraftProposer(draft_model, self.n_slots, self.vocab_size, max_len=self.max_len,
                                   kv_dtype=self.kv_dtype, p_min=config.draft_p_min)
@@ -449,7 +456,7 @@ class EngineCore:
         background thread: the engine serves eagerly meanwhile and swaps the steps in at a step boundary."""
         from engine.compiled_decode import CompiledDecode
 
-        self._compiling = CompiledDecode(self.model, self.cache, self.compile_max_batch)
+        self._compiling = CompiledDecode(self.model, self.cache, self.compile_max_batch, sampler=self.sampler)
         self._compiling.start()
         log.info("compiling the decode step (batches up to %d) in the background; decoding eagerly meanwhile",
                  self.compile_max_batch)

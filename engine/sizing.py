@@ -74,7 +74,7 @@ def slot_kv_bytes(n_layer: int, n_embd: int, context: int, dtype: torch.dtype, d
     """KV bytes of one full-length slot: (the served model's, the draft model's). `draft`: the draft's config
     (n_layer, n_embd, block_size) or None (0 bytes); its slot holds min(context, draft.block_size) tokens in the
     served cache's dtype (DraftProposer's cache, one slot per engine slot). The one rule for what a slot costs:
-    `plan_slots` and start-up's fit check (engine/core_process.check_fits) both use it."""
+    `plan_slots` and start-up's fit check (engine/build.check_fits) both use it."""
     kv = kv_bytes_per_slot(n_layer, n_embd, context, dtype)
     if draft is None:
         return kv, 0

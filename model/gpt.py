@@ -111,6 +111,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied: P = softmax(h · W_eᵀ)
 
+        if self.lm_head.weight.device.type == "meta":  # loading: the weights come from a file (model/checkpoint.py)
+            return  # (a random init on the meta device costs ~19 ms a tensor through torch._refs: 3 s for GPT-2)
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections by 1/sqrt(2 · n_layer)
         for name, p in self.named_parameters():

@@ -226,6 +226,13 @@ class CacheStep:
         result it gets alone, and skips the padding: bf16 decode steps at 16 / 64 rows were 12-25% faster
         (docs/performance.md). In fp32 the rounding is ~1e-7 and the per-row calls were 3-9% slower at 16 rows,
         so fp32, like CUDA (and the static shapes of CUDA graphs), makes one masked call."""
+        if q.device.type == "cpu" and q.size(2) == 1 and self.mask is not None and torch.compiler.is_dynamo_compiling():
+            # a compiled CPU decode step (engine/compiled_decode.py): written out, inductor fuses one query's
+            # attention into its own loops; the SDPA kernel's per-call cost was 12% of the bundled model's compiled
+            # step (docs/performance.md, "Sampling inside the compiled step")
+            scores = (q @ k.transpose(-1, -2)) * (q.size(-1) ** -0.5)
+            scores = scores.masked_fill(~self.mask, float("-inf"))
+            return torch.softmax(scores.float(), -1).to(v.dtype) @ v
         if self.row_kv is not None and q.device.type == "cpu" and q.element_size() == 2:
             T = q.size(2)
             return torch.cat([F.scaled_dot_product_attention(

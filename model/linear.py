@@ -140,9 +140,10 @@ class PackedLinear(_Served):
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.dtype = w.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        # keep_plain: the plain weight too, for a compiled graph (engine/compiled_decode.py): dynamo cannot read the
-        # opaque packed tensor, and inductor packs its own constants from this buffer
-        self.register_buffer("weight", w.clone() if keep_plain else None, persistent=False)
+        # keep_plain: the plain weight too (as loaded: `settle_plain` frees it or gives it storage of its own), for
+        # tune's column-major copies and a compiled graph (engine/compiled_decode.py): dynamo cannot read the opaque
+        # packed tensor, and inductor packs its own constants from this buffer
+        self.register_buffer("weight", w if keep_plain else None, persistent=False)
         self.bias = None if layer.bias is None else layer.bias.detach().clone()
         self.column_major: torch.Tensor | None = None  # MKL's one-row copy, only where tune() kept it
         self.one_row_as_two = False  # tune(): oneDNN rounds this shape's one-row product unlike a batch's
@@ -379,7 +380,7 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
     """Swap the block Linears (and the tied head: for none a packed copy beside the embedding, for int8/int4 one
     quantized table shared with it) for served modules, in place. fmt: none (PackedLinear on a CPU in fp32, and in
     bf16 where this CPU packs it; nothing elsewhere), int8, int4. Returns what it did (`swapped` counts the block
-    Linears). keep_plain: packed layers keep their plain weight too, for a compiled step (twice the memory)."""
+    Linears). keep_plain: packed layers keep their plain weight too, as loaded, until `settle_plain`."""
     if fmt not in FORMATS:
         raise FormatError(f"unknown weight format {fmt!r}: use one of {', '.join(FORMATS)}")
     param = next(model.parameters())
@@ -435,6 +436,15 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
         for name, b in m.named_buffers(recurse=False):
             setattr(m, name, b.clone())
     return {"format": fmt, "swapped": swapped, "group": group if fmt == "int4" else None}
+
+
+def settle_plain(model: nn.Module, keep: bool) -> None:
+    """The plain weights `convert(keep_plain=True)` kept beside the packed copies, once `tune` has made its
+    column-major copies from them: freed, or (keep: a compiled step reads them) given storage of their own, as
+    `convert` gives the rest (a loaded tensor is a view of the whole file's buffer)."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear) and m.weight is not None:
+            m.weight = m.weight.clone() if keep else None
 
 
 def quantized_format(model: nn.Module) -> str | None:
@@ -542,7 +552,11 @@ def time_dtypes(in_features: int, out_features: int, rows: tuple[int, ...] = (1,
 
 
 def _unpack_column_major(m: PackedLinear) -> torch.Tensor:
-    """The plain weight back from oneDNN's packed copy (x = I through the matmul), stored column-major."""
+    """The plain weight, stored column-major: from the plain copy where the layer kept one (`convert(keep_plain=
+    True)`: a transpose), else back from oneDNN's packed copy (x = I through the matmul: a whole GEMM, 136 ms for
+    one of GPT-2's layers here)."""
+    if m.weight is not None:
+        return m.weight.t().contiguous().t()
     eye = torch.eye(m.in_features, dtype=m.dtype)
     wt = ONEDNN_LINEAR(eye, m.packed, None, "none", [], "")  # (in, out) = Wᵀ, contiguous
     return wt.t()

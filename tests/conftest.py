@@ -20,7 +20,7 @@ if SHARED_TIKTOKEN.is_dir():
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 # servers started by the tests (in-process and `python -m app` subprocesses, which inherit this) compute in fp32:
 # their outputs are compared with fp32 references. `--dtype auto` may pick bf16 on a CPU that has it
-# (engine.core_process.serving_dtype, tested with fakes in tests/test_sizing.py)
+# (engine.cpu_tuning.serving_dtype, tested with fakes in tests/test_sizing.py)
 os.environ.setdefault("GPT_DTYPE", "fp32")
 # ... and decode eagerly: `--compile auto` would start an inductor compile (~20 s of CPU) in every small test
 # server; tests/test_compiled_decode.py covers the compiled step and the auto rule

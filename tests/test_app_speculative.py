@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.core_process import CoreConfig, StartupError, build_core
+from engine.build import CoreConfig, StartupError, build_core
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = str(REPO / "checkpoints" / "shakespeare")

@@ -1,4 +1,4 @@
-"""bench.peers' pure helpers: prompts, request bodies, SSE parsing, summaries, server commands.
+"""bench.peers' pure helpers: prompts, request bodies, SSE parsing (bench.harness'), summaries, server commands.
 
 No servers, no network."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import peers
+from bench import harness, peers
 
 
 def test_parse_list_keeps_order_and_refuses_unknown_names():
@@ -44,9 +44,9 @@ def test_completion_body_greedy_and_sampled():
 
 def test_parse_sse_events_splits_complete_events_and_keeps_the_rest():
     buf = b'data: {"a": 1}\n\n: ping\n\ndata:{"b": 2}\r\n\r\ndata: [DONE]\n\ndata: {"c"'
-    events, rest = peers.parse_sse_events(buf)
+    events, rest = harness.parse_sse_events(buf)
     assert events == [b'{"a": 1}', b'{"b": 2}'] and rest == b'data: {"c"'
-    assert peers.parse_sse_events(b"") == ([], b"")
+    assert harness.parse_sse_events(b"") == ([], b"")
 
 
 def chunk(text, finish=None, usage=None):

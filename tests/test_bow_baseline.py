@@ -1,12 +1,12 @@
-"""training/bow_baseline.py: the bag-of-words logistic regression learns word-level tasks of each kind."""
+"""training/task/bow_baseline.py: the bag-of-words logistic regression learns word-level tasks of each kind."""
 
 from __future__ import annotations
 
 import json
 
 from tests.task_fixtures import word_task_lines, write_jsonl
-from training.bow_baseline import main, run
-from training.task_data import read_task_file
+from training.task.bow_baseline import main, run
+from training.task.data import read_task_file
 
 
 def test_classification_by_a_word(tmp_path):

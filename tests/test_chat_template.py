@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from app.chat_template import DEFAULT_STOP, ChatTemplate, ChatTemplateError, load_chat_template
+from model.chat_template import DEFAULT_STOP, ChatTemplate, ChatTemplateError, load_chat_template
 
 TWO_TURNS = [{"role": "system", "content": "Speak as a Dane."}, {"role": "user", "content": "Who's there?"},
              {"role": "assistant", "content": "Nay, answer me."}, {"role": "user", "content": "Long live the king!"}]

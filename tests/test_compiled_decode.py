@@ -53,10 +53,11 @@ def stand_in_compiler(calls: list, shift: float = 0.0, error: Exception | None =
             raise error
         for b in self.buckets:
             for ctx in self.contexts:
-                def step(*args):
-                    calls.append(args[1].size(0))
-                    return cd._decode(*args) + shift
-                self.steps[b, ctx] = step
+                for kind in self.kinds:
+                    def step(*args, kind=kind):
+                        calls.append((args[1].size(0), kind))
+                        return cd._decode(*args) + shift if kind is None else cd._decode_draw(*args)
+                    self.steps[b, ctx, kind] = step
 
     return compile_all
 
@@ -72,6 +73,8 @@ def test_the_compiled_step_serves_the_batches_it_was_made_for_and_eager_the_rest
     made = len(calls)
     alone = run(core, together=False)
     assert len(calls) - made == sum(len(v) - 1 for v in alone.values())  # every batch-1 decode step replayed
+    # greedy and T = 1 draw inside the step (engine/plain_draw.py); top-p's rows take the logits to the sampler
+    assert {kind for _, kind in calls[made:]} == {"greedy", "sample", None}
     made = len(calls)
     batched = run(core, together=True)
     assert len(calls) == made  # three rows decoding together: above the compiled batch, eager

@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.core_process import THREAD_GAIN, CoreConfig, build_core, choose_threads, core_threads, keep_freed_memory
+from engine.build import CoreConfig, build_core
+from engine.cpu_tuning import THREAD_GAIN, choose_threads, core_threads, keep_freed_memory
 from tests.app_helpers import (
     app_client,
     hang_up_when,
@@ -229,7 +230,7 @@ def test_the_core_uses_every_cpu_by_default_and_the_flag_overrides_it(tiny_ckpt)
 def test_choose_threads_keeps_the_last_core_only_for_a_measured_gain(tiny_ckpt, monkeypatch):
     import torch
 
-    import engine.core_process as cp
+    import engine.cpu_tuning as ct
 
     core, _, _ = build_core(CoreConfig(checkpoint=str(tiny_ckpt), device="cpu", warmup=False))
     before = torch.get_num_threads()
@@ -245,7 +246,7 @@ def test_choose_threads_keeps_the_last_core_only_for_a_measured_gain(tiny_ckpt, 
         for gain, want in ((THREAD_GAIN + 0.3, 4), (THREAD_GAIN - 0.2, 3)):
             clock["gain"] = gain
             monkeypatch.setattr(core.model, "forward_cached", timed_forward)
-            monkeypatch.setattr(cp.time, "perf_counter", lambda: clock["t"])
+            monkeypatch.setattr(ct.time, "perf_counter", lambda: clock["t"])
             got = choose_threads(core, 4)
             monkeypatch.undo()
             assert got["threads"] == want == torch.get_num_threads(), got
@@ -260,7 +261,7 @@ def test_choose_threads_keeps_the_last_core_only_for_a_measured_gain(tiny_ckpt, 
 def test_a_slow_step_keeps_every_thread_without_timing_more(tiny_ckpt, monkeypatch):
     import torch
 
-    import engine.core_process as cp
+    import engine.cpu_tuning as ct
 
     core, _, _ = build_core(CoreConfig(checkpoint=str(tiny_ckpt), device="cpu", warmup=False))
     before = torch.get_num_threads()
@@ -273,7 +274,7 @@ def test_a_slow_step_keeps_every_thread_without_timing_more(tiny_ckpt, monkeypat
         return model_forward(*a, **k)
 
     monkeypatch.setattr(core.model, "forward_cached", slow_forward)
-    monkeypatch.setattr(cp.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(ct.time, "perf_counter", lambda: clock["t"])
     try:
         got = choose_threads(core, 2)
         assert got["threads"] == 2 and got["last_thread_gain"] is None and clock["calls"] == 5

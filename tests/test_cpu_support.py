@@ -87,18 +87,19 @@ def test_a_kernel_that_refuses_this_cpu_is_reported_as_the_weights_step(monkeypa
 
 
 def test_auto_dtype_needs_packing_as_well_as_the_flags(monkeypatch):
-    import engine.core_process as cp
+    import engine.cpu_tuning as ct
     import model.linear
+    from engine.build import CoreConfig
 
-    monkeypatch.setattr(cp, "_DTYPE_CHOICES", {})
+    monkeypatch.setattr(ct, "_DTYPE_CHOICES", {})
     monkeypatch.setattr(model.linear, "time_dtypes", lambda *a: pytest.fail("timed bf16 where it cannot pack"))
     force_cpu(monkeypatch, flags=frozenset({"avx2", "avx512_bf16"}), packed_bf16=False)  # e.g. ONEDNN_MAX_CPU_ISA
-    dtype, why = cp.serving_dtype(cp.CoreConfig(checkpoint=str(BUNDLED)), torch.device("cpu"), torch.float32)
+    dtype, why = ct.serving_dtype(CoreConfig(checkpoint=str(BUNDLED)), torch.device("cpu"), torch.float32)
     assert dtype == torch.float32 and "does not pack bf16" in why["why"]
 
 
 def test_the_start_up_report_names_a_16_bit_dtype_without_native_kernels(monkeypatch):
-    from engine.core_process import cpu_report
+    from engine.build import cpu_report
 
     force_cpu(monkeypatch, flags=frozenset({"avx2"}), packed_bf16=False)
     cpu, note = cpu_report(torch.bfloat16, "none")

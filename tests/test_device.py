@@ -1,4 +1,4 @@
-"""Device choice (model/device.py) and the core's device set-up at load (engine/core_process.py load_model), on CPU
+"""Device choice (model/device.py) and the core's device set-up at load (engine/build.py load_model), on CPU
 with mocks: a host whose GPU is reserved but unusable, and cuda:N made the current device."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import model.device as device_mod
-from engine.core_process import CoreConfig, StartupError, load_model
+from engine.build import CoreConfig, StartupError, load_model
 from model.device import reserved_gpu, resolve_device
 
 

@@ -12,8 +12,9 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from engine.build import CoreConfig
 from engine.core import is_fatal_device_error
-from engine.core_process import DEVICE_FAILED_EXIT, CoreConfig
+from engine.core_process import DEVICE_FAILED_EXIT
 from model.gpt import GPT
 from tests.app_helpers import app_client, wait_until
 

@@ -1,4 +1,4 @@
-"""training/evaluate_task.py: accuracy, the majority baseline and the confusion table of a checkpoint's task
+"""training/task/evaluate.py: accuracy, the majority baseline and the confusion table of a checkpoint's task
 head on a JSONL file, checked against Task.predict; and its one-line errors."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.task_head import load_task
 from tests.helpers import tiny_model
 from tests.task_fixtures import write_jsonl, write_task_checkpoint
-from training.evaluate_task import evaluate_task, format_report, main
+from training.task.evaluate import evaluate_task, format_report, main
 
 LINES = [{"text": t, "label": lab} for t, lab in [("the", "b"), ("theme", "a"), ("other", "b"), ("x y z", "c"),
                                                      ("then", "b"), ("hello", "a")]]
@@ -71,7 +71,7 @@ def test_errors_are_one_line(tmp_path, ck_dir, capsys, byte_tokenizer):
         capsys.readouterr()
         assert main(list(args)) == 2
         e = capsys.readouterr().err.strip()
-        assert e.startswith("python -m training.evaluate_task: error: ") and "\n" not in e
+        assert e.startswith("python -m training.task.evaluate: error: ") and "\n" not in e
         return e
 
     good = write_jsonl(tmp_path / "v.jsonl", LINES)

@@ -202,7 +202,7 @@ def test_chat_template_is_carried_when_the_checkpoint_has_one(tmp_path):
     template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     (ck / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": EOT}))
     assert read(export(ck, tmp_path / "a.gguf"))[0]["tokenizer.chat_template"] == template
-    (ck / "chat_template.jinja").write_text("{{ messages[0].content }}")  # the file wins, as in app/chat_template
+    (ck / "chat_template.jinja").write_text("{{ messages[0].content }}")  # the file wins, as in model/chat_template
     assert read(export(ck, tmp_path / "b.gguf"))[0]["tokenizer.chat_template"] == "{{ messages[0].content }}"
     (ck / "chat_template.jinja").write_text("{% for m in %}")  # one the server could not load is not exported
     with pytest.raises(ExportError, match="chat template"):
@@ -263,8 +263,9 @@ def test_missing_and_corrupt_checkpoints_are_one_line_without_traceback(tmp_path
 
 
 def llama_tools() -> Path:
-    """llama.cpp's build dir of bench/peers.py (built there, with llama-tokenize and llama-server, if missing)."""
-    from bench.peers import CACHE, llama_binary, setup_llama_server
+    """llama.cpp's build dir of bench/peer_setup.py (built there, with llama-tokenize and llama-server, if missing)."""
+    from bench.common import CACHE
+    from bench.peer_setup import llama_binary, setup_llama_server
 
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:  # the one reason to skip; any other set-up error (a failed download or build) fails the test
@@ -284,7 +285,7 @@ def llama_tokenize(bin_dir: Path, gguf_file: Path, text: str) -> list[int]:
 def llama_server_greedy(bin_dir: Path, gguf_file: Path, prompt: list[int], n: int, log: Path) -> list[int]:
     import httpx
 
-    from bench.peers import Server, free_port
+    from bench.harness import Server, free_port
 
     port = free_port()
     server = Server("llama", [str(bin_dir / "llama-server"), "-m", str(gguf_file), "--host", "127.0.0.1", "--port",

@@ -1,4 +1,4 @@
-"""training/finetune.py (and its loop, training/finetune_loop.py, and data, training/task_data.py): a learnable
+"""training/finetune.py (and its loop, training/task/loop.py, and data, training/task/data.py): a learnable
 generated task reaches >= 95% validation accuracy, resume is bit-exact, the result is a normal checkpoint with
 a task head, and bad input is one line naming FILE:LINE."""
 
@@ -22,7 +22,8 @@ from model.tokenizer import Tokenizer
 from tests.helpers import tiny_model, write_byte_ranks
 from tests.task_fixtures import one_line_error, word_task_lines, write_jsonl, write_task_checkpoint
 from training.config import ConfigError, FinetuneConfig, build_config
-from training.task_data import ExampleSampler, TaskDataError, read_task_file
+from training.example_sampler import ExampleSampler
+from training.task.data import TaskDataError, read_task_file
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["learning_rate=3e-3", "min_lr=3e-4", "warmup_iters=5", "batch_size=16", "log_interval=5", "num_threads=1",

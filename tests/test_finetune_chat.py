@@ -1,5 +1,5 @@
-"""Chat fine-tuning (training/finetune.py --task chat: training/chat_finetune.py, chat_data.py, chat_encoding.py,
-chat_loop.py): the loss mask (assistant tokens with weight 1 only), bad data as one line naming FILE:LINE,
+"""Chat fine-tuning (training/finetune.py --task chat: training/chat/: finetune.py, data.py, encoding.py,
+loop.py): the loss mask (assistant tokens with weight 1 only), bad data as one line naming FILE:LINE,
 over-long conversations dropped or truncated and counted, exact resume mid-epoch, and a few-step fine-tune whose
 checkpoint carries its template and stop tokens into the server and through model.export_hf to transformers."""
 
@@ -20,8 +20,8 @@ from model.special_tokens import add_special_tokens
 from model.tokenizer import EOT, Tokenizer
 from tests.helpers import tiny_model, write_byte_ranks
 from tests.task_fixtures import one_line_error, write_jsonl
-from training.chat_data import ChatDataError, TokenDir, chat_batch, encode_chat_file, pack_row, parse_conversation
-from training.chat_encoding import ChatEncoder, Message
+from training.chat.data import ChatDataError, TokenDir, chat_batch, encode_chat_file, pack_row, parse_conversation
+from training.chat.encoding import ChatEncoder, Message
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -260,8 +260,8 @@ def test_few_steps_learn_and_the_checkpoint_carries_template_and_stop(tmp_path, 
     assert t.source == SFT_TEMPLATE and t.stop == [] and not t.lstrip_reply
     assert json.loads((out / "best" / "generation_config.json").read_text()) == {"eos_token_id": [258]}
 
-    # the demonstration's measurements (training/measure_chat.py) run on it
-    from training.measure_chat import compare_loss, throughput
+    # the demonstration's measurements (training/chat/measure.py) run on it
+    from training.chat.measure import compare_loss, throughput
 
     res = compare_loss(str(files["base"]), str(out / "best"), str(files["val"]))
     assert res["conversations"] == 24 and res["tuned"]["nats_per_token"] < res["base"]["nats_per_token"]

@@ -2,6 +2,8 @@
 import each other, directly or in a circle.
 
 `model/` (the network) imports neither `engine` nor `app`; `engine/` (scheduling, no HTTP) never imports `app`.
+Within `training/`, the trainers' folders (`lm/`, `task/`, `chat/`) never import each other: what two of them share
+lives at `training/`'s top level.
 Function-level (lazy) imports count too: the checks walk every import statement of every file (a circle hidden
 behind a function-level import is still a circle: two modules that are one job, or a job in the wrong room).
 """
@@ -107,3 +109,23 @@ def test_the_circle_check_sees_one_behind_a_function_level_import(tmp_path):
     (tmp_path / "model" / "b.py").write_text("def f():\n    from model import a\n")
     (tmp_path / "model" / "c.py").write_text("import model.a\n")
     assert circles(module_graph(tmp_path)) == [["model.a", "model.b"]]
+
+
+TRAINERS = ("training.lm", "training.task", "training.chat")
+
+
+def trainer_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from one trainer's folder into another's: what two trainers share belongs at training/ top level."""
+    def trainer(module: str) -> str | None:
+        return next((t for t in TRAINERS if module == t or module.startswith(t + ".")), None)
+    return [f"{m} imports {d}" for m in sorted(graph) for d in sorted(graph[m])
+            if trainer(m) and trainer(d) and trainer(m) != trainer(d)]
+
+
+def test_trainers_share_only_through_the_top_level():
+    assert trainer_crossings(module_graph()) == []
+
+
+def test_the_trainer_check_sees_a_crossing():
+    graph = {"training.chat.loop": {"training.task.data", "training.loop"}, "training.task.data": set()}
+    assert trainer_crossings(graph) == ["training.chat.loop imports training.task.data"]

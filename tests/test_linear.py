@@ -93,6 +93,24 @@ def test_tune_keeps_a_column_major_copy_only_where_mkl_is_chosen(monkeypatch):
         == [96]
 
 
+@needs_onednn
+def test_the_column_major_copy_is_the_same_from_the_plain_weight_or_the_packed_one(monkeypatch):
+    monkeypatch.setenv("GPT_SMALL_LINEAR", "mkl")
+    kept, unpacked = small_gpt(), small_gpt()
+    plain = {n: p.detach().clone() for n, p in kept.named_parameters()}
+    L.convert(kept, "none", keep_plain=True)  # the engine's way: tune copies the plain weight, then settle_plain
+    L.convert(unpacked, "none")  # packed only: tune unpacks through the matmul
+    L.tune(kept), L.tune(unpacked)
+    L.settle_plain(kept, keep=False)
+    a = [m for m in kept.modules() if isinstance(m, L.PackedLinear)]
+    b = [m for m in unpacked.modules() if isinstance(m, L.PackedLinear)]
+    assert all(m.weight is None for m in a)
+    for x, y in zip(a, b):
+        assert x.column_major.stride() == y.column_major.stride() == (1, x.out_features)
+        torch.testing.assert_close(x.column_major, y.column_major, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(a[0].column_major, plain["transformer.h.0.attn.c_attn.weight"], atol=0, rtol=0)
+
+
 def test_int8_quantization_round_trips_within_half_a_step():
     w = torch.randn(40, 64)
     q, scale = L.quantize_int8(w)

@@ -1,4 +1,4 @@
-"""training/shakespeare_chat.py: dialogues from consecutive speeches of different speakers, split by position,
+"""training/shakespeare/chat.py: dialogues from consecutive speeches of different speakers, split by position,
 the play before the user's speech as system context within a character budget."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 from model.chat_template import end_of_turn, load_chat_template, template_special_tokens
 from model.tokenizer import EOT, Tokenizer
 from tests.helpers import write_byte_ranks
-from training.chat_encoding import ChatEncoder, Message
-from training.shakespeare_chat import PLAY_TEMPLATE, build, context, main
-from training.shakespeare_chat import dialogues as make_dialogues
+from training.chat.encoding import ChatEncoder, Message
+from training.shakespeare.chat import PLAY_TEMPLATE, build, context, main
+from training.shakespeare.chat import dialogues as make_dialogues
 
 SPEECHES = [("ROMEO", "But soft!\nWhat light?"), ("JULIET", "Ay me!"), ("JULIET", "O Romeo."),
             ("ROMEO", "Shall I hear more?"), ("NURSE", "x" * 50)]

@@ -1,4 +1,4 @@
-"""training/shakespeare_tasks.py: speeches split by byte position, and the three tasks built from them."""
+"""training/shakespeare/tasks.py: speeches split by byte position, and the three tasks built from them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import math
 
 from model.task_head import item_error
-from training.shakespeare_tasks import build_tasks, main, speeches
+from training.shakespeare.tasks import build_tasks, main, speeches
 
 SPEAKERS = ["ANNE", "BEN", "CARL"]
 

@@ -1,4 +1,4 @@
-"""training/shakespeare_tools.py: the tool-calling demonstration's data, in OpenAI's fine-tuning format, split by
+"""training/shakespeare/tools.py: the tool-calling demonstration's data, in OpenAI's fine-tuning format, split by
 position, read back by the chat data reader and its template (tools.jinja) keeping conversations short."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from model.chat_template import ChatTemplate
-from training.chat_data import parse_conversation, parse_tools
-from training.shakespeare_tools import TOOLS_TEMPLATE, build, main
+from training.chat.data import parse_conversation, parse_tools
+from training.shakespeare.tools import TOOLS_TEMPLATE, build, main
 
 TEXT = "".join(f"{name}:\nGood morrow to you, my gentle friend.\nAnd more.\n\n"
                for name in ["ROMEO", "JULIET", "NURSE"] * 12 + ["PROSPERO", "ARIEL", "PROSPERO"])  # the last: held out

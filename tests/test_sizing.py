@@ -1,5 +1,5 @@
 """KV-cache slots from a memory budget (engine/sizing.py) and the start-up checks built on it
-(engine/core_process.py), with fake free-memory figures: nothing here allocates gigabytes."""
+(engine/build.py), with fake free-memory figures: nothing here allocates gigabytes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.core_process import CoreConfig, StartupError, check_fits
+from engine.build import CoreConfig, StartupError, check_fits
 from engine.sizing import SLOT_ALLOWANCE, SizingError, kv_bytes_per_slot, parse_memory, plan_slots, slot_kv_bytes
 
 CPU = torch.device("cpu")
@@ -101,7 +101,7 @@ def test_start_up_counts_a_draft_models_weights_and_kv_slot():
 
 
 def test_build_core_budgets_and_reports_the_draft_models_kv_cache():
-    from engine.core_process import build_core
+    from engine.build import build_core
 
     cfg = CoreConfig(checkpoint=str(SHAKESPEARE), device="cpu", dtype="fp32", kv_cache_memory="64MB",
                      kv_cache_dtype="bf16", warmup=False, speculative=f"draft:{SHAKESPEARE}")
@@ -130,7 +130,7 @@ def test_start_up_refuses_weights_that_do_not_fit():
 
 
 def test_build_core_reports_the_format_the_weights_and_the_cache():
-    from engine.core_process import build_core
+    from engine.build import build_core
 
     ckpt = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare"
     cfg = CoreConfig(checkpoint=str(ckpt), device="cpu", dtype="fp32", quantize="int8", kv_cache_memory="64MB",
@@ -153,7 +153,7 @@ def test_bad_format_settings_are_one_line_errors():
 
 
 def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(monkeypatch):
-    import engine.core_process as cp
+    import engine.cpu_tuning as ct
     import model.linear
     from tests.helpers import force_cpu
 
@@ -163,11 +163,11 @@ def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(monke
     timed = []
     for flags, times, want in [(set(), fast, torch.float32), ({"avx2", "avx512_bf16"}, fast, torch.bfloat16),
                                ({"amx_bf16"}, slow, torch.float32)]:
-        monkeypatch.setattr(cp, "_DTYPE_CHOICES", {})
+        monkeypatch.setattr(ct, "_DTYPE_CHOICES", {})
         force_cpu(monkeypatch, flags=frozenset(flags), packed_bf16=True)
         monkeypatch.setattr(model.linear, "time_dtypes", lambda i, o, t=times: timed.append((i, o)) or t)
-        dtype, why = cp.serving_dtype(CoreConfig(checkpoint=ckpt), CPU, torch.float32)
+        dtype, why = ct.serving_dtype(CoreConfig(checkpoint=ckpt), CPU, torch.float32)
         assert dtype == want and why["picked"] == {torch.float32: "fp32", torch.bfloat16: "bf16"}[want]
     assert timed == [(256, 1024), (256, 1024)]  # the bundled model's widest matmul; never without the flags
     for cfg in (CoreConfig(checkpoint=ckpt, dtype="fp32"), CoreConfig(checkpoint=ckpt, quantize="int8")):
-        assert cp.serving_dtype(cfg, CPU, torch.float32) == (torch.float32, None)  # asked for, or quantized
+        assert ct.serving_dtype(cfg, CPU, torch.float32) == (torch.float32, None)  # asked for, or quantized

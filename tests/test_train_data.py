@@ -1,4 +1,4 @@
-"""training.prepare and training.data: the byte split, streaming encoding, document separators, memory maps."""
+"""training.prepare and training.lm.data: the byte split, streaming encoding, document separators, memory maps."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from model.tokenizer import Tokenizer
 from tests.helpers import write_byte_ranks
 from training import text as text_mod
-from training.data import BatchSampler, DataError, open_data_dir, token_dtype
+from training.lm.data import BatchSampler, DataError, open_data_dir, token_dtype
 from training.prepare import prepare
 
 

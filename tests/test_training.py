@@ -238,7 +238,7 @@ def test_two_process_ddp_keeps_replicas_identical(tmp_path, data_dir):
 
 
 def test_ranks_sample_different_batches(data_dir):
-    from training.data import BatchSampler, open_data_dir
+    from training.lm.data import BatchSampler, open_data_dir
 
     data = open_data_dir(data_dir)
     r0, r1 = (BatchSampler(data.train, 32, 4, seed=1, rank=r) for r in (0, 1))

@@ -1,4 +1,4 @@
-"""Training builds every tensor on the model's device (issue 31: finetune_loop stacked a CPU tensor with CUDA ones,
+"""Training builds every tensor on the model's device (issue 31: the task loop stacked a CPU tensor with CUDA ones,
 which fails the first fine-tuning step on a GPU). CPU-only tests cannot see that (every tensor is on the CPU, and
 PyTorch lets no second device stand in for CUDA there: a "meta" tensor mixes with CPU scalars silently and runs no
 real step), so this is a lint: each tensor constructor call in training/ names a device, or carries a

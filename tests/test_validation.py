@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from app.chat_template import load_chat_template
 from app.errors import ApiError
 from app.protocol.openai import ChatCompletionRequest, CompletionRequest
 from app.protocol.tgi import TGIRequest
 from app.validation import Limits, plan_chat, plan_completion, plan_tgi
+from model.chat_template import load_chat_template
 
 LIMITS = Limits(block_size=64, max_prompt_tokens=63, max_new_tokens=40, default_max_new_tokens=20,
                 max_stop_sequences=2, max_stop_length=8, max_top_n_tokens=3, vocab_size=261, max_choices=6)

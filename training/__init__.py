@@ -1,1 +1,2 @@
-"""Training utilities: tokenizer training, data preparation and the training loop."""
+"""Training: tokenizer training, data preparation, the trainers (lm/, task/, chat/; one folder each) and, at the
+top level, their command lines and the pieces they share."""

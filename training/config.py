@@ -329,7 +329,7 @@ class FinetuneConfig(TrainConfig):
     eval_interval: int = 50
     sample_tokens: int = 0  # a short sample per evaluation shows the body still generates; 0 = none
     # --task chat: a conversation longer than block_size + 1 tokens is dropped, or cut to its first block_size + 1
-    # (training/chat_data.py); either is counted in the log
+    # (training/chat/data.py); either is counted in the log
     overlong: Literal["drop", "truncate"] = "drop"
 
     def range_errors(self) -> list[str]:

@@ -1,6 +1,8 @@
-"""What `python -m training.train` shows the user when something is wrong: one line, `PROG: error: ...`."""
+"""What the trainers' command lines show the user when something is wrong: one line, `PROG: error: ...`
+(`python -m training.train`'s PROG; FINETUNE_PROG for `python -m training.finetune`, task and chat)."""
 
 PROG = "python -m training.train"
+FINETUNE_PROG = "python -m training.finetune"
 
 
 class TrainError(RuntimeError):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.device import DTYPES
 from model.linear import DEFAULT_INT4_GROUP, FORMATS, INT4_GROUPS, FormatError, convert
-from training.data import DataError, encode_stream
+from training.lm.data import DataError, encode_stream
 from training.text import resolve_inputs
 
 PROG = "python -m training.evaluate"

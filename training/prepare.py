@@ -34,7 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from model.tokenizer import Tokenizer, TokenizerError
-from training.data import META, DataError, encode_stream, token_dtype
+from training.lm.data import META, DataError, encode_stream, token_dtype
 from training.text import resolve_inputs
 
 PROG = "python -m training.prepare"

@@ -15,15 +15,15 @@ the previous checkpoint loadable.
 
 Reproducibility: on CPU a run is a pure function of (config, data, seed, number
 of processes and threads). Training batches are a pure function of (seed, rank,
-step, micro-step) (training.data.BatchSampler), and the RNG states of torch,
+step, micro-step) (training.lm.data.BatchSampler), and the RNG states of torch,
 numpy and python are saved with the optimizer, so `--resume` continues with
 exactly the losses the uninterrupted run would have had.
 
 This file is the command line and the order of things; each piece has its own module:
-training/build_model.py (the model: fresh, --resume, --init-from), training/optim.py (AdamW, LR schedule),
+training/lm/build_model.py (the model: fresh, --resume, --init-from), training/optim.py (AdamW, LR schedule),
 training/distributed.py (torchrun/DDP), training/checkpoints.py (OUT/last and OUT/best, resume state, RNGs),
-training/metrics.py (metrics.jsonl, loss.png, TensorBoard), training/measure.py (eval loss, sample, FLOPs)
-and training/loop.py (the loop).
+training/metrics.py (metrics.jsonl, loss.png, TensorBoard), training/lm/measure.py (eval loss),
+training/measure.py (sample, FLOPs) and training/lm/loop.py (the loop, on training/loop.py's BaseLoop).
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ from typing import Any
 
 from model.checkpoint import CheckpointError
 from model.gpt import GPT
-from training.build_model import build_model
 from training.checkpoints import LAST, load_resume, seed_or_restore_rngs
 from training.config import ConfigError, TrainConfig, build_config
-from training.data import DataDir, DataError, check_split_size, open_data_dir
 from training.distributed import setup_distributed
 from training.errors import PROG, TrainError
-from training.loop import Loop, setup_precision
+from training.lm.build_model import build_model
+from training.lm.data import DataDir, DataError, check_split_size, open_data_dir
+from training.lm.loop import Loop
+from training.loop import setup_precision
 from training.metrics import summary_writer_class
 from training.optim import lr_at, make_optimizer
 

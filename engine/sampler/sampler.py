@@ -66,6 +66,15 @@ class Sampler:
         return self.blocks.padded
 
     @property
+    def n_slots(self) -> int:
+        return self.state.n_slots
+
+    @property
+    def block(self) -> int:
+        """Tokens per block of the hierarchical draw (engine/plain_draw.py draws with the same blocks)."""
+        return self.blocks.size
+
+    @property
     def history(self) -> torch.Tensor:
         """(n_slots, max_len) each slot's prompt + output ids (the prompts are prefilled from here)."""
         return self.state.history
@@ -125,6 +134,37 @@ class Sampler:
                 top = [(int(i), lp) for i, lp in zip(ids, lps)]
             out.append(Draw(int(r[0]), r[1], top))
         return out
+
+    def plain_kind(self, slots: range | list[int]) -> str | None:
+        """The kind of engine.plain_draw that draws these slots' rows exactly as `step` would (greedy; T = 1;
+        T < 1), or None when some row needs more (top-k / top-p, penalties, bias, min_tokens, a grammar, top-n)."""
+        kinds = [self.state.kinds[s] for s in slots]
+        if any(k is None or k.top_k or k.top_p or k.repetition or k.presence_frequency or k.top_n or k.bias
+               or k.min_tokens or k.constrained for k in kinds):
+            return None
+        if all(k.greedy for k in kinds):
+            return "greedy"
+        if any(k.greedy for k in kinds):
+            return None
+        if all(k.unit_temperature for k in kinds):
+            return "sample"
+        return "sample_sharpened" if all(k.sharpened for k in kinds) and self.device.type == "cpu" else None
+
+    def plain_inputs(self, n: int) -> tuple[torch.Tensor, ...]:
+        """What engine.plain_draw reads of slots 0..n-1 (views): 1/T, the seed keys, the history lengths and the
+        prompt lengths (their difference: the index of the token drawn)."""
+        s = self.state
+        return s.inv_temp[:n], s.seed_key[:n], s.length[:n], s.prompt_len[:n]
+
+    @torch.inference_mode()
+    def take(self, slots: range | list[int], token: torch.Tensor, logprob: torch.Tensor) -> list[Draw]:
+        """Record tokens drawn outside `step` (engine.plain_draw, inside a compiled decode step) and return them
+        as `step` would: one device→host copy."""
+        plan = self.plans.get(slots)
+        rows = torch.stack([token.double(), logprob.double()], 1).tolist()
+        self.read_backs += 1
+        self.state.record(plan.rows, plan.index, token)
+        return [Draw(int(t), lp) for t, lp in rows]
 
     def _sample(self, logits: torch.Tensor, plan: Plan, bitmask: torch.Tensor | None = None) -> _Sampled:
         B, V, P, NB, BS = plan.n, self.vocab_size, self.padded, self.blocks.n, self.blocks.size

@@ -1,9 +1,9 @@
-"""A bag-of-words logistic regression on a task's JSONL files (training/task_data.py's formats): the baseline the
+"""A bag-of-words logistic regression on a task's JSONL files (training/task/data.py's formats): the baseline the
 fine-tuned GPT is compared with in docs/training.md.
 
 Usage::
 
-    python -m training.bow_baseline --task classification --train train.jsonl --val val.jsonl [--json]
+    python -m training.task.bow_baseline --task classification --train train.jsonl --val val.jsonl [--json]
 
 Words are lower-cased `\\w+('\\w+)?` runs; the vocabulary is the training file's words seen at least --min-count
 times (at most --max-vocab, the most frequent). Binary features per example:
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from model.task_head import KINDS, item_parts
-from training.task_data import (
+from training.task.data import (
     TaskDataError,
     TaskFile,
     label_counts,
@@ -41,7 +41,7 @@ from training.task_data import (
     read_task_file,
 )
 
-PROG = "python -m training.bow_baseline"
+PROG = "python -m training.task.bow_baseline"
 WORD = re.compile(r"\w+(?:'\w+)?")
 
 

@@ -1,5 +1,5 @@
 """The chat fine-tuning loop: training/loop.py's BaseLoop (schedule, accumulation, clipping, time budget, progress
-bar, logging, interrupts) on batches of encoded conversations (training/chat_data.py), the loss the mean
+bar, logging, interrupts) on batches of encoded conversations (training/chat/data.py), the loss the mean
 cross-entropy of the learned (assistant) tokens; at every eval_interval the same loss on the validation
 conversations, and OUT/best by it. Each checkpoint carries the chat template and stop tokens."""
 
@@ -17,18 +17,18 @@ from tqdm import tqdm
 
 from model.gpt import GPT
 from model.tokenizer import Tokenizer
-from training.chat_data import ChatSet, chat_batch
+from training.chat.data import ChatSet, chat_batch
 from training.checkpoints import rng_state, write_checkpoints
 from training.config import FinetuneConfig
 from training.distributed import Dist
-from training.finetune_loop import PROG
+from training.errors import FINETUNE_PROG
+from training.example_sampler import ExampleSampler
 from training.loop import BaseLoop
 from training.optim import Optimizers
-from training.task_data import ExampleSampler
 
 
 class ChatLoop(BaseLoop):
-    prog = PROG
+    prog = FINETUNE_PROG
     loss_terms = ("loss",)
 
     def __init__(self, cfg: FinetuneConfig, train: ChatSet, val: ChatSet, tokenizer: Tokenizer,
@@ -65,7 +65,7 @@ class ChatLoop(BaseLoop):
                 return (f"{s['examples']:,} conversations ({s['tokens']:,} tokens, {s['learned_tokens']:,} learned)"
                         + (f", {skipped:,} longer than the context dropped" if skipped else "")
                         + (f", {cut:,} truncated" if cut else ""))
-            print(f"{PROG}: chat ({self.run_meta['chat_template']}); training {counts(tr)}; validation "
+            print(f"{FINETUNE_PROG}: chat ({self.run_meta['chat_template']}); training {counts(tr)}; validation "
                   f"{counts(va)}; {self.raw_model.num_params() / 1e6:.2f}M parameters, {self.examples_per_step} "
                   f"conversations/step (epoch = {len(self.train_set) / self.examples_per_step:.0f} steps), device "
                   f"{self.device}{f', resuming at step {self.step}' if self.resumed else ''}", file=sys.stderr)

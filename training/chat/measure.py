@@ -1,13 +1,13 @@
 """The chat fine-tuning demonstration's two measurements (docs/training.md).
 
-    python -m training.measure_chat loss --base checkpoints/shakespeare --tuned runs/chat/best --val val.jsonl
-    python -m training.measure_chat throughput --checkpoint checkpoints/shakespeare --train train.jsonl \\
+    python -m training.chat.measure loss --base checkpoints/shakespeare --tuned runs/chat/best --val val.jsonl
+    python -m training.chat.measure throughput --checkpoint checkpoints/shakespeare --train train.jsonl \\
         --text ../shared/data/tinyshakespeare.txt [--rounds 4 --steps 10]
 
 `loss`: on held-out conversations, the assistant-token loss of the fine-tuned checkpoint rendered with its own
 template, against the base checkpoint prompted with the server's `You:` / `Model:` transcript (what a base
 model's /v1/chat/completions renders) on the same turns. Each model's prompt and reply tokens are what the
-server would send it (training/chat_encoding.py's segments, model/chat_template.py's templates); the reply
+server would send it (training/chat/encoding.py's segments, model/chat_template.py's templates); the reply
 ends with what the template writes after it (`<|endoftext|>`, which ends the turn; the transcript's newline,
 which does not: the server stops a transcript reply at "\nYou:", so `base_with_stop` also counts the "You:" a
 base model must write to end its turn). Reported per token (each with its own tokens) and per byte of the
@@ -38,13 +38,13 @@ from model.chat_template import ChatTemplate, load_chat_template, template_speci
 from model.checkpoint import load_checkpoint
 from model.special_tokens import add_special_tokens
 from model.tokenizer import EOT
-from training.chat_data import TokenDir, chat_batch, encode_chat_file, parse_conversation
-from training.chat_encoding import ChatEncoder, Message
-from training.chat_finetune import training_template
+from training.chat.data import TokenDir, chat_batch, encode_chat_file, parse_conversation
+from training.chat.encoding import ChatEncoder, Message
+from training.chat.finetune import training_template
 from training.config import FinetuneConfig
 from training.optim import make_optimizer
 
-PROG = "python -m training.measure_chat"
+PROG = "python -m training.chat.measure"
 
 
 @torch.no_grad()
@@ -105,7 +105,7 @@ def throughput(checkpoint: str, train: str, text: str, rounds: int, steps: int, 
     ck = load_checkpoint(checkpoint)
     model = ck.model
     template = training_template(ck.path, None)
-    tok = add_special_tokens(model, ck.tokenizer, template_special_tokens(template))  # as chat_finetune adds them
+    tok = add_special_tokens(model, ck.tokenizer, template_special_tokens(template))  # as chat/finetune.py adds them
     model.train()
     cfg = FinetuneConfig(batch_size=batch_size, learning_rate=1e-5, min_lr=1e-6)
     opt = make_optimizer(model, cfg, torch.device("cpu"))

@@ -1,6 +1,6 @@
 """Chat supervised fine-tuning, `python -m training.finetune --task chat` (TRL's SFTTrainer with
 assistant_only_loss, on OpenAI's fine-tuning format): the run's model, tokenizer, template and data, handed to
-training/chat_loop.py's ChatLoop.
+training/chat/loop.py's ChatLoop.
 
 The template is --chat-template FILE, else the one the --init-from checkpoint carries, else
 model/chat_template.py's SFT_TEMPLATE (a base model's transcript format is for prompting, not for training).
@@ -33,9 +33,9 @@ from model.gpt import GPT
 from model.special_tokens import add_special_tokens
 from model.tokenizer import EOT
 from training.build_model import init_model, resume_model
-from training.chat_data import TokenDir, encode_chat_file
-from training.chat_encoding import ChatEncoder
-from training.chat_loop import ChatLoop
+from training.chat.data import TokenDir, encode_chat_file
+from training.chat.encoding import ChatEncoder
+from training.chat.loop import ChatLoop
 from training.checkpoints import LAST, seed_or_restore_rngs
 from training.config import FinetuneConfig
 from training.distributed import setup_distributed

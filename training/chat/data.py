@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from model.chat_template import ChatTemplateError
-from training.chat_encoding import ChatEncoder, ChatEncodingError, Message
+from training.chat.encoding import ChatEncoder, ChatEncodingError, Message
 from training.jsonl import parse_line
 
 ROLES = ("system", "user", "assistant", "tool")

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m training.shakespeare_chat --input ../shared/data/tinyshakespeare.txt --out /tmp/shakespeare_chat
+    python -m training.shakespeare.chat --input ../shared/data/tinyshakespeare.txt --out /tmp/shakespeare_chat
 
 Two consecutive speeches by different speakers are one conversation in OpenAI's fine-tuning format: the first
 speech is the user's turn, the reply the assistant's, and the system message gives the scene — who answers
@@ -20,7 +20,7 @@ stays inside the 256-token context: this text has ~2.8 characters per token, and
 conversation of 823 (8 of 5,217 training ones) is still longer than 256 tokens, as its two speeches alone are.
 The context never crosses the split: a held-out dialogue's context is held-out text.
 
-The split is by position, as for checkpoints/shakespeare and training/shakespeare_tasks.py (whose speech parser
+The split is by position, as for checkpoints/shakespeare and training/shakespeare/tasks.py (whose speech parser
 this shares): dialogues from the first 90% of the bytes are training data, those of the last 10% held out.
 Speeches longer than --max-chars are left out as turns (they may still be context).
 Writes OUT/train.jsonl, OUT/val.jsonl, OUT/summary.json and OUT/play.jinja (PLAY_TEMPLATE).
@@ -28,15 +28,14 @@ Writes OUT/train.jsonl, OUT/val.jsonl, OUT/summary.json and OUT/play.jinja (PLAY
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from training.shakespeare_tasks import speeches
+from training.shakespeare.tasks import builder_parser, speeches
 
-PROG = "python -m training.shakespeare_chat"
+PROG = "python -m training.shakespeare.chat"
 # OUT/play.jinja, a chat template for `--chat-template` that keeps the base model's own layout: the system text
 # (the play so far) and a blank line, then each turn as a speech whose speaker is a role token, `<|user|>:` or
 # `<|assistant|>:` in place of `NAME:`; a user's speech ends in a blank line as in the play, an assistant's in
@@ -103,10 +102,8 @@ def build(text: str, max_chars: int = 400, budget: int = BUDGET,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description="Build chat fine-tuning dialogues from tinyshakespeare "
-                                                       "(split by position: 90% / 10%).")
-    p.add_argument("--input", required=True, help="tinyshakespeare.txt")
-    p.add_argument("--out", required=True, help="output directory")
+    p = builder_parser(PROG, "Build chat fine-tuning dialogues from tinyshakespeare "
+                             "(split by position: 90% / 10%).")
     p.add_argument("--max-chars", type=int, default=400, help="leave out speeches longer than this (400)")
     p.add_argument("--budget", type=int, default=BUDGET,
                    help=f"characters of system + user + assistant text; the system's play context fills it ({BUDGET})")

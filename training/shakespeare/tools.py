@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m training.shakespeare_tools --input ../shared/data/tinyshakespeare.txt --out /tmp/shtools
+    python -m training.shakespeare.tools --input ../shared/data/tinyshakespeare.txt --out /tmp/shtools
 
 Two functions, in OpenAI's fine-tuning format (`tools` on every line): `find_character(name)` ("Who is ROMEO?")
 and `find_speaker(words)` ('Who says "the words"?'); and prompts that want text, not a call ("Speak as ROMEO."),
@@ -18,7 +18,6 @@ Writes OUT/train.jsonl, OUT/val.jsonl (both with the calls), OUT/summary.json an
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -27,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from model.chat_template import SFT_TEMPLATE
-from training.shakespeare_tasks import speeches
+from training.shakespeare.tasks import builder_parser, speeches
 
-PROG = "python -m training.shakespeare_tools"
+PROG = "python -m training.shakespeare.tools"
 # OUT/tools.jinja, for `--chat-template`: the default SFT template, but the tools listed as `name(arguments)` in one
 # line: their JSON schemas alone are 287 tokens of the bundled model's 2,048-token vocabulary, its context 256
 COMPACT_TOOLS = (
@@ -96,10 +95,8 @@ def build(text: str, n_train: int = 3000, n_val: int = 300, seed: int = 0) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description="Build tool-calling fine-tuning conversations from "
-                                "tinyshakespeare (OpenAI's format, with tools and tool_calls)")
-    p.add_argument("--input", required=True, help="tinyshakespeare.txt")
-    p.add_argument("--out", required=True, help="output directory")
+    p = builder_parser(PROG, "Build tool-calling fine-tuning conversations from "
+                             "tinyshakespeare (OpenAI's format, with tools and tool_calls)")
     p.add_argument("--train", type=int, default=3000, help="training conversations (3000)")
     p.add_argument("--val", type=int, default=300, help="held-out conversations (300)")
     p.add_argument("--seed", type=int, default=0)

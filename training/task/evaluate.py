@@ -3,7 +3,7 @@ baseline, with a confusion table.
 
 Usage::
 
-    python -m training.evaluate_task --checkpoint runs/speakers/best --input val.jsonl [--json]
+    python -m training.task.evaluate --checkpoint runs/speakers/best --input val.jsonl [--json]
 
 The majority baseline always answers the training file's most frequent label (recorded in the checkpoint's
 task.json; for a head without that record, the input file's own most frequent label). The confusion table's
@@ -25,16 +25,16 @@ from model.checkpoint import CheckpointError, load_checkpoint
 from model.device import resolve_device
 from model.task_head import TaskError, load_task
 from model.tokenizer import TokenizerError
-from training.measure import score_task_set
-from training.task_data import (
+from training.task.data import (
     TaskDataError,
     encode_task_file,
     label_counts,
     majority_output,
     read_task_file,
 )
+from training.task.measure import score_task_set
 
-PROG = "python -m training.evaluate_task"
+PROG = "python -m training.task.evaluate"
 
 
 def evaluate_task(checkpoint: str | Path, input_file: str | Path, batch_size: int = 16,

@@ -2,13 +2,13 @@
 
 Usage::
 
-    python -m training.shakespeare_tasks --input ../shared/data/tinyshakespeare.txt --out /tmp/shakespeare_tasks
+    python -m training.shakespeare.tasks --input ../shared/data/tinyshakespeare.txt --out /tmp/shakespeare_tasks
 
 The text is a sequence of speeches, `NAME:\\n<lines>` separated by blank lines. The split is by position, as
 for checkpoints/shakespeare (whose tokenizer and weights saw only the first 90% of the bytes): a speech that
 ends before byte floor(0.9 · size) is training data, one that starts at or after it is validation data (the
 one speech across the cut is dropped); pairs never cross the cut. Writes OUT/<task>/{train,val}.jsonl
-(training/task_data.py's formats) and OUT/summary.json:
+(training/task/data.py's formats) and OUT/summary.json:
 
     speakers      classification: who says this speech (the text without its NAME line), among the
                   --speakers speakers with the most training speeches of those that have at least
@@ -33,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-PROG = "python -m training.shakespeare_tasks"
+PROG = "python -m training.shakespeare.tasks"
 SPEECH = re.compile(r"(?:^|\n\n)([^\n:]+):\n(.*?)(?=\n\n|\Z)", re.S)
 
 
@@ -93,11 +93,17 @@ def build_tasks(text: str, n_speakers: int = 5, min_speeches: int = 20, seed: in
             "speeches": {s: len(sp[s]) for s in sp}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description="Build the speaker, next-speech and next-of-four tasks "
-                                                       "from tinyshakespeare (split by position: 90% / 10%).")
+def builder_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The demonstration builders' command line (tasks, chat, tools): --input tinyshakespeare.txt, --out DIR."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--input", required=True, help="tinyshakespeare.txt")
     p.add_argument("--out", required=True, help="output directory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = builder_parser(PROG, "Build the speaker, next-speech and next-of-four tasks "
+                             "from tinyshakespeare (split by position: 90% / 10%).")
     p.add_argument("--speakers", type=int, default=5, help="number of speakers to attribute (default 5)")
     p.add_argument("--min-speeches", type=int, default=20, help="speeches a speaker needs in each split (20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the negatives and answer orders (default 0)")

@@ -19,16 +19,17 @@ from model.tokenizer import Tokenizer
 from training.checkpoints import rng_state, write_checkpoints
 from training.config import FinetuneConfig
 from training.distributed import Dist
+from training.errors import FINETUNE_PROG
+from training.example_sampler import ExampleSampler
 from training.loop import BaseLoop
-from training.measure import sample_text, score_task_set
+from training.measure import sample_text
 from training.optim import Optimizers
-from training.task_data import ExampleSampler, TaskSet
-
-PROG = "python -m training.finetune"
+from training.task.data import TaskSet
+from training.task.measure import score_task_set
 
 
 class FinetuneLoop(BaseLoop):
-    prog = PROG
+    prog = FINETUNE_PROG
     loss_terms = ("loss", "task_loss", "lm_loss")
 
     def __init__(self, cfg: FinetuneConfig, task: Task, train: TaskSet, val: TaskSet, majority: int,
@@ -69,7 +70,7 @@ class FinetuneLoop(BaseLoop):
                           majority_acc=self.majority_acc, config=cfg.to_dict(), **self.run_meta)
         if not self.quiet:
             labels = f"labels {', '.join(t.labels)}" if t.labels else "answers scored one by one"
-            print(f"{PROG}: {t.kind} ({labels}); {len(self.train_set):,} training examples "
+            print(f"{FINETUNE_PROG}: {t.kind} ({labels}); {len(self.train_set):,} training examples "
                   f"({self.train_set.n_tokens:,} tokens), {len(self.val_rows):,} validation examples; "
                   f"{self.gpt.num_params() / 1e6:.2f}M parameters + head {t.n_outputs}x{self.gpt.config.n_embd}, "
                   f"lm_weight {cfg.lm_weight}, {self.examples_per_step} examples/step (epoch = "

@@ -1,0 +1,155 @@
+"""What a server tunes to the CPU it runs on, measured or set at start-up: the auto dtype (a bf16 timing), the torch
+threads (a one-row step timing), OpenMP's waits and glibc's malloc. The measurements behind each choice:
+docs/performance.md, "Measurements moved out of code comments".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from typing import Any
+
+# torch and the model's modules are imported inside the functions below: the core process calls set_openmp_waits
+# and keep_freed_memory before torch loads (OpenMP reads its waits when torch loads libgomp).
+
+log = logging.getLogger("engine")
+
+
+def set_openmp_waits() -> None:
+    """OpenMP's waits for a process that has not loaded torch yet: spin ~30,000 pause loops (a fraction of a
+    millisecond), then sleep. Sleeping at once starved the decode step of its threads between every pair of ops, and
+    libgomp's long default spins starved the HTTP front on tiny models and burn a core while idle. PASSIVE still
+    applies where libgomp throttles (more OpenMP threads than CPUs): those never spin. Settings the user made win."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+
+
+_DTYPE_CHOICES: dict[tuple, tuple] = {}
+BF16_SPEEDUP = 1.15  # bf16 must beat fp32 by this much at 1 and at 16 rows to be the CPU's auto dtype
+
+
+def serving_dtype(cfg, device, dtype) -> tuple[Any, dict | None]:
+    """The dtype a server computes in (`cfg`: an engine.build.CoreConfig), and why. `--dtype auto` on a CPU serving
+    unquantized weights is bf16 where the CPU computes bf16 natively (avx512_bf16 or AMX in its flags) and a one-off
+    timing at load finds the model's widest matmul (n_embd → 4·n_embd, oneDNN's packed weight) at least 1.15x faster
+    in bf16 at 1 and at 16 rows; else fp32 (the reference): on an AVX2-only CPU oneDNN emulates bf16 and it is slower
+    (docs/api.md, "Formats per CPU"). The choice is made once per process and shape (load_model, then build_core
+    reports it)."""
+    import torch
+
+    if cfg.dtype != "auto" or device.type != "cpu" or cfg.quantize != "none":
+        return dtype, None
+    from model import cpu_support
+    from model.checkpoint import read_config
+    from model.linear import ONEDNN_LINEAR, time_dtypes
+
+    try:
+        n_embd = read_config(cfg.checkpoint).n_embd
+    except Exception:  # noqa: BLE001 - loading reports what is wrong with the checkpoint, in its words
+        return dtype, None
+    key = (n_embd, torch.get_num_threads())
+    if key not in _DTYPE_CHOICES:
+        cpu = cpu_support.support()
+        native = sorted(set(cpu_support.BF16_FLAGS) & cpu.flags)
+        if not cpu.native_bf16 or ONEDNN_LINEAR is None:
+            why = "no native bf16 (avx512_bf16 / amx_bf16)" if not native else \
+                f"oneDNN does not pack bf16 here (needs {cpu_support.PACKED_BF16_NEEDS})"
+            _DTYPE_CHOICES[key] = (torch.float32, {"picked": "fp32", "why": why})
+        else:
+            ms = time_dtypes(n_embd, 4 * n_embd)
+            fast = all(ms["bf16"][r] * BF16_SPEEDUP <= ms["fp32"][r] for r in ms["fp32"])
+            _DTYPE_CHOICES[key] = (torch.bfloat16 if fast else torch.float32, {
+                "picked": "bf16" if fast else "fp32", "cpu_flags": native,
+                "ms": {name: {str(r): round(t, 4) for r, t in v.items()} for name, v in ms.items()}})
+    return _DTYPE_CHOICES[key]
+
+
+def core_threads(cfg) -> int:
+    """Torch threads the core process loads with (`cfg`: an engine.build.CoreConfig): GPT_TORCH_THREADS, else every
+    CPU this process may run on (as llama-server's default); without the setting `choose_threads` then measures
+    whether the last one is worth taking from the fronts."""
+    if cfg.torch_threads:
+        return cfg.torch_threads
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+# A model whose one-row decode step takes under FAST_STEP_S at every thread leaves the last core to the HTTP fronts
+# unless that core makes the step THREAD_GAIN faster: the fronts (detokenizing, SSE, JSON) need CPU in proportion to
+# the tokens a second, which a fast step makes many (docs/performance.md: the bundled model serves faster with one
+# of two threads, GPT-2 124M with both).
+FAST_STEP_S = 0.004
+THREAD_GAIN = 1.25
+
+
+def choose_threads(core, n: int, repeats: int = 9) -> dict[str, Any]:
+    """With GPT_TORCH_THREADS unset, on a CPU of n >= 2 cores: time the core's one-row decode step at n threads;
+    under FAST_STEP_S, time it at n - 1 too (interleaved, the fastest of each, on an empty slot) and keep n only
+    when it is THREAD_GAIN faster. Sets torch's threads; returns what it measured (for /info)."""
+    import torch
+
+    if n < 2 or core.device.type != "cpu":
+        return {"threads": n, "cores": n, "one_row_step_ms": None, "last_thread_gain": None, "chosen": "all"}
+    token = torch.zeros(1, 1, dtype=torch.long, device=core.device)
+
+    def step_s(threads: int, calls: int) -> float:
+        torch.set_num_threads(threads)
+        core.cache.reset(0)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            core.model.forward_cached(token, core.cache, [0])
+        return (time.perf_counter() - t0) / calls
+
+    with torch.inference_mode():
+        step_s(n - 1, 2)  # first calls create the one-row primitives at each thread count
+        first = min(step_s(n, 2), step_s(n, 1))
+        chosen = n
+        gain = None
+        if first < FAST_STEP_S:
+            # interleaved; the fastest of each (a start-up's other work only ever makes a step slower)
+            calls = max(1, min(8, int(0.01 / first)))
+            fewer, every = [], []
+            for _ in range(repeats):
+                fewer.append(step_s(n - 1, calls))
+                every.append(step_s(n, calls))
+            first = min(every)
+            gain = min(fewer) / first
+            chosen = n if gain >= THREAD_GAIN else n - 1
+    core.cache.reset(0)
+    torch.set_num_threads(chosen)
+    log.info("torch threads: %d of %d (one-row step %.2f ms; the last thread's gain %s)", chosen, n, first * 1000,
+             f"{gain:.2f}x" if gain else "not measured")
+    return {"threads": chosen, "cores": n, "one_row_step_ms": round(first * 1000, 3),
+            "last_thread_gain": None if gain is None else round(gain, 3), "chosen": "all" if chosen == n else "n-1"}
+
+
+def keep_freed_memory() -> bool:
+    """glibc's malloc: blocks up to 32 MiB come from the heap, and what is freed stays there (no trim below 1 GiB),
+    so a prefill's activations (~6 MiB each for a 512-token GPT-2 prompt) reuse pages already mapped. By default
+    glibc maps such blocks afresh and unmaps them when freed (its threshold only moves up after a free), so a
+    prompt longer than the last ones pays a page fault for every 4 KiB it touches (docs/performance.md has the
+    timings). The heap keeps its peak afterwards (a server's working set). Skipped where the user set glibc's
+    own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_, and where mallopt does not exist (not glibc). Returns
+    whether it applied."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("MALLOC_TRIM_THRESHOLD_"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the kernel once (glibc's malloc_trim), after loading: the weights as
+    stored (fp32) are freed when the engine swaps in their served copy (packed, int8, int4), but `keep_freed_memory`
+    keeps freed blocks resident (docs/performance.md: the idle memory it gives back)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

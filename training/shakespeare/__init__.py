@@ -1,0 +1,1 @@
+"""The demonstration data built from tinyshakespeare: tasks, chat dialogues, tool-calling conversations."""

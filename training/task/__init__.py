@@ -1,0 +1,1 @@
+"""Supervised task fine-tuning (python -m training.finetune --task KIND): labelled data, the loop, accuracy."""

@@ -19,8 +19,8 @@ from app.errors import invalid
 from app.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from app.protocol.tgi import TGIParameters, TGIRequest
 from app.tools import ToolPlan, named_spec, required_spec
+from engine.params import GREEDY_TEMPERATURE, MAX_SEED, SamplingParams, bad_token, draw_seed
 from engine.request import StructuredSpec, context_problem
-from engine.sampling import GREEDY_TEMPERATURE, MAX_SEED, SamplingParams, bad_token, draw_seed
 from engine.structured_output import GrammarError, Grammars
 from model.chat_template import ChatTemplate, ChatTemplateError
 from model.tokenizer import Tokenizer
@@ -164,7 +164,7 @@ def check_logit_bias(bias: dict[str, float] | None, limits: Limits) -> dict[int,
 
 def check_min_tokens(min_tokens: int | None, max_new: int) -> int:
     """min_tokens above max_tokens means what it says, no stop before max_tokens (the rule stated with
-    engine.sampling.BOUNDS); it is reported as max_tokens."""
+    engine.params.BOUNDS); it is reported as max_tokens."""
     return min(min_tokens or 0, max_new)
 
 

@@ -58,7 +58,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def run_ours(model, tokenizer, prompts: torch.Tensor, n_new: int) -> dict[str, Any]:
     from engine.generate import stream_generate
-    from engine.sampling import SamplingParams
+    from engine.params import SamplingParams
 
     B = prompts.size(0)
     params = SamplingParams(max_new_tokens=n_new, temperature=0.0, stop_at_eos=False, seed=0)

@@ -43,8 +43,8 @@ def one_round(fmt: str, batches: list[int], new_tokens: int, threads: int | None
     import torch
 
     from engine.build import CoreConfig, build_core
+    from engine.params import SamplingParams
     from engine.request import EngineRequest
-    from engine.sampling import SamplingParams
 
     dtype, quantize = FORMATS.get(fmt) or KV_VARIANTS[fmt]
     ck = checkpoint or random_gpt2()[1]

@@ -178,8 +178,8 @@ def engine_run(ck_dir: Path, batch: int, new_tokens: int, graphs: bool, top_n: i
     import torch
 
     from engine.core import EngineCore
+    from engine.params import SamplingParams
     from engine.request import EngineRequest
-    from engine.sampling import SamplingParams
     from model.checkpoint import load_checkpoint
 
     ck = load_checkpoint(ck_dir, device="cuda", dtype=torch.bfloat16)

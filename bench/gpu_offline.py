@@ -289,8 +289,8 @@ def engine_run(ck_dir: Path, device: str, *, dtype: str = "bf16", batch: int = 1
     import torch
 
     from engine.core import EngineCore
+    from engine.params import SamplingParams
     from engine.request import EngineRequest
-    from engine.sampling import SamplingParams
     from engine.spec_decode.config import parse_speculative
     from model.checkpoint import load_checkpoint
 

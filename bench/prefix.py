@@ -156,13 +156,10 @@ def distinct_bodies(args, seed: int) -> list[dict[str, Any]]:
 def admission_cost(slots: int = 256, prompt_len: int = 600, admissions: int = 400) -> dict[str, Any]:
     """Microseconds per admission at `slots` slots, every one caching a different conversation: the scheduler
     alone (match over the index, LRU choice, index upkeep), cache on vs off."""
+    from engine.ops import Draw
+    from engine.params import SamplingParams
     from engine.request import EngineRequest
-    from engine.sampling import SamplingParams
     from engine.scheduler import Scheduler
-
-    class D:  # a draw as the sampler returns it
-        def __init__(self, t):
-            self.token, self.logprob, self.top = t, 0.0, None
 
     def run(s: Scheduler, rng: random.Random, reqs: list) -> float:
         """Admit `reqs` (timed), then run them to the end with random tokens."""
@@ -172,7 +169,7 @@ def admission_cost(slots: int = 256, prompt_len: int = 600, admissions: int = 40
         step = s.schedule(0.0)
         dt = time.perf_counter() - t0
         while s.has_work():
-            s.update(step, [D(rng.randrange(50000)) for _ in step.sampled])
+            s.update(step, [Draw(rng.randrange(50000), 0.0) for _ in step.sampled])
             step = s.schedule(0.0)
         return dt
 
@@ -198,8 +195,8 @@ def determinism(checkpoint: Path, conversations: int = 6, turns: int = 5, new: i
     import torch
 
     from engine.core import EngineCore
+    from engine.params import SamplingParams
     from engine.request import EngineRequest
-    from engine.sampling import SamplingParams
     from model.checkpoint import load_checkpoint
 
     ck = load_checkpoint(checkpoint)

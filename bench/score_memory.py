@@ -73,8 +73,8 @@ class PeakMemory:
 
 def run_batch(core, n: int, prompt_len: int, vocab: int, max_new: int, prompt_logprobs: int | None,
               seed: int) -> dict:
+    from engine.params import SamplingParams
     from engine.request import EngineRequest
-    from engine.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     for i in range(n):

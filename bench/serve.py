@@ -86,7 +86,7 @@ def parse_workloads(arg: str) -> list[str]:
 
 def library_params(workload: str, max_new: int, seed: int, stop_at_eos: bool = True):
     """The SamplingParams the server derives from tgi_parameters(workload, max_new, seed)."""
-    from engine.sampling import SamplingParams
+    from engine.params import SamplingParams
 
     w = WORKLOADS[workload]
     return SamplingParams(max_new_tokens=max_new, temperature=w.get("temperature", 0.0), top_p=w.get("top_p", 1.0),
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     # the in-process loop on the same checkpoint (with --url only when --checkpoint names the server's)
     lib_model = lib_tok = None
     if not args.no_library and (not args.url or explicit_checkpoint):
-        from engine.sampling import Sampler
+        from engine.sampler import Sampler
         from model.checkpoint import load_checkpoint
 
         ck = load_checkpoint(args.checkpoint)

@@ -57,7 +57,7 @@ QUESTIONS = ["And what of your father?", "Tell me of the war.", "Why do you weep
 def workloads(quick: bool, copy_dir: Path | None, draft_dir: Path | None) -> dict[str, dict[str, Any]]:
     """name → target checkpoint, draft checkpoint (None: no draft), requests [(prompt ids, params)], batch."""
     from bench.spec_models import SEPARATOR, copy_example, corpus
-    from engine.sampling import SamplingParams
+    from engine.params import SamplingParams
     from model.checkpoint import load_checkpoint
 
     n_req = 2 if quick else 8

@@ -23,7 +23,7 @@ ITL p50/p99, errors, CPU seconds used by the server, the client and the library 
 sampled/greedy and top_p/greedy (at the highest level and at 1 stream) and server/library.
 
 Then the model's own share, a bare decode step (`engine.generate.decode_step`) at each level's batch size,
-and "the sampler alone": `engine.sampling.Sampler` on random (B, 50257) fp32 logits at
+and "the sampler alone": `engine.sampler.Sampler` on random (B, 50257) fp32 logits at
 B = 1, 16, 64 for greedy, temperature 0.8, + top_p 0.95, + top_k 50 (median ms per call), interleaved
 with the sampler it replaced (`sample_next` of `--baseline-rev`, loaded from git), for the speed-up.
 
@@ -171,7 +171,8 @@ def sampler_alone(batches: list[int], calls: int, vocab: int = CONFIG["vocab_siz
     `baseline_rev` (the old `sample_next`, one torch.Generator per row) when it can be loaded."""
     import torch
 
-    from engine.sampling import Sampler, SamplingParams
+    from engine.params import SamplingParams
+    from engine.sampler import Sampler
 
     padded = Sampler(1, vocab, 4).padded  # the served model's logits are padded to whole blocks (GPT.pad_vocab)
     g = torch.Generator().manual_seed(0)
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ck = load_checkpoint(ck_dir)
         model, tok = ck.model, ck.tokenizer
-        from engine.sampling import Sampler
+        from engine.sampler import Sampler
 
         model.pad_vocab(Sampler(1, tok.vocab_size, 4).padded)  # as the server does
         prompt_ids = tok.encode(PROMPT)

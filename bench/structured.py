@@ -116,8 +116,8 @@ def time_cell(ckpt_dir: str, batch: int, mode: str, steps: int, device: str, dty
     import torch
 
     from engine.core import EngineCore
+    from engine.params import SamplingParams
     from engine.request import EngineRequest
-    from engine.sampling import SamplingParams
     from model.checkpoint import load_checkpoint
 
     dt = getattr(torch, dtype) if dtype else None

@@ -55,8 +55,8 @@ def in_process(checkpoint: str, quantize: str, compile: str, threads: int, token
     from torch.profiler import profile
 
     from engine.build import CoreConfig, build_core
+    from engine.params import SamplingParams
     from engine.request import EngineRequest
-    from engine.sampling import SamplingParams
 
     cfg = CoreConfig(checkpoint=checkpoint, device="cpu", dtype="fp32", quantize=quantize, compile=compile,
                      torch_threads=threads)

@@ -23,8 +23,8 @@ from typing import Any
 
 from engine.core_loop import CoreLoop
 from engine.output_processor import OutputProcessor, RequestState
+from engine.params import SamplingParams
 from engine.request import EngineRequest, ErrorKind, StructuredSpec
-from engine.sampling import SamplingParams
 from engine.wire import (
     Abort,
     Add,

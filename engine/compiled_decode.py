@@ -41,7 +41,7 @@ from torch import nn
 
 from engine.cuda_graphs import BUCKETS, CONTEXT_BUCKETS, context_buckets, step_key
 from engine.plain_draw import KINDS, Kind, plain_draw
-from engine.sampling import Sampler
+from engine.sampler import Sampler
 from model.cpu_support import cpu_flags
 from model.gpt import GPT
 from model.kv_cache import KVCache
@@ -60,8 +60,8 @@ CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backen
 DEFAULT_MAX_BATCH = 1
 CACHE_ENV = "GPT_COMPILE_CACHE"
 # the code a package was traced from: a change to any of these files makes new packages
-TRACED = ("engine/compiled_decode.py", "engine/plain_draw.py", "engine/sampling.py", "model/gpt.py",
-          "model/kv_cache.py", "model/linear.py")
+TRACED = ("engine/compiled_decode.py", "engine/plain_draw.py", "engine/sampler/noise.py", "engine/sampler/sampler.py",
+          "model/gpt.py", "model/kv_cache.py", "model/linear.py")
 
 
 def one_line(e: BaseException) -> str:

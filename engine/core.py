@@ -9,7 +9,7 @@
 It owns the scheduler (`engine.scheduler`), the KV cache, the sampler and the CUDA graphs, and runs vLLM V1's
 step: schedule → execute → update. Whoever drives it (the library's `generate`, the server's core process or
 its engine thread) reads the outputs, detokenizes them and calls `abort` when a stop string ends a request.
-The sampling state of every slot lives on the model's device (`engine.sampling.Sampler`), and the noise of each
+The sampling state of every slot lives on the model's device (`engine.sampler.Sampler`), and the noise of each
 token is a function of (seed, position, token id), so a seeded or greedy request gives the same tokens alone or
 batched.
 
@@ -43,9 +43,11 @@ import torch
 from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
 from engine.compiled_decode import one_line
 from engine.compiled_decode import resolve_mode as resolve_compile
+from engine.ops import Admit, Copy, Draw, Free, Idle, Move, Op, RowDraws
+from engine.params import SamplingParams, bad_token
 from engine.prompt_logprobs import PROMPT_LOGPROBS_PIECE, PromptScorer
 from engine.request import EngineRequest, ErrorKind, RequestOutput, check_context
-from engine.sampling import Sampler, SamplingParams, bad_token
+from engine.sampler import Sampler
 from engine.scheduler import Scheduler, Step, finish_reason
 from engine.sizing import SizingError
 from engine.spec_decode import SpecConfig, Speculator
@@ -146,7 +148,7 @@ class EngineCore:
         # validation (app/validation.py, engine.generate) applied these rules and drew the seed; here they are asserts
         check_context(len(request.prompt), max(p.max_new_tokens, 0), self.max_len, "the engine's context length")
         if p.seed is None:
-            raise ValueError("the request has no seed: validation draws one (engine.sampling.draw_seed)")
+            raise ValueError("the request has no seed: validation draws one (engine.params.draw_seed)")
         if p.max_new_tokens < 0:  # 0: the request only runs (and scores) its prompt
             raise ValueError(f"max_new_tokens must be >= 0, got {p.max_new_tokens}")
         if request.prompt_logprobs is not None and request.prompt_logprobs < 0:
@@ -328,7 +330,7 @@ class EngineCore:
         spec.steps += 1
         out = [[d] for d in self.sampler.step(logits[:, 0], range(n), masks.next(decode) if masks else None)]
         matchers = self._matchers if masks else None
-        self._accept_grammar(matchers, decode, [o[0] for o in out])
+        accept_grammar(matchers, decode, [o[0] for o in out])
         eos = self.scheduler.eos_id
 
         def goes_on(i: int, d, j: int) -> bool:  # d, row i's draw at position j, is its proposal and ends nothing
@@ -343,7 +345,7 @@ class EngineCore:
             constrained = [decode[i].id for i in alive if decode[i].id in matchers] if matchers else []
             mask = matchers.fill(constrained) if constrained else None
             ds = self.sampler.step(logits[rows, j], alive, mask)
-            self._accept_grammar(matchers, [decode[i] for i in alive], ds)
+            accept_grammar(matchers, [decode[i] for i in alive], ds)
             for i, d in zip(alive, ds):
                 out[i].append(d)
             alive = [i for i, d in zip(alive, ds) if goes_on(i, d, j)]
@@ -354,42 +356,29 @@ class EngineCore:
                 spec.observe(r.id, len(proposals[i]), len(out[i]) - 1)
         return out
 
-    @staticmethod
-    def _accept_grammar(matchers: Matchers | None, reqs, draws) -> None:
-        """Constrained requests' matchers take their draws now (the next position's masks depend on them);
-        `stop` on a draw whose grammar is complete or refused it."""
-        if not matchers:
-            return
-        for r, d in zip(reqs, draws):
-            if r.id in matchers:
-                ok, done = matchers.accept(r.id, d.token)
-                d.stop = done or not ok
-                if not ok:  # the request ends with an error (Scheduler.update), not with this token
-                    d.failed = matchers.error(r.id)
-
-    def _apply(self, ops) -> None:
+    def _apply(self, ops: list[Op]) -> None:
         for op in ops:
-            kind = op[0]
-            if kind == "admit":
-                _, slot, req, keep = op
-                if keep:
-                    self.cache.truncate(slot, keep)
-                else:
+            match op:
+                case Admit(slot, req, keep):
+                    if keep:
+                        self.cache.truncate(slot, keep)
+                    else:
+                        self.cache.reset(slot)
+                    self.sampler.admit(slot, req.params, req.prompt, seed=req.seed, top_n=req.top_n,
+                                       constrained=req.structured is not None)
+                case Move(src, dst):
+                    self.cache.move(src, dst)
+                    self.sampler.move(src, dst)
+                case Copy(src, dst, n):
+                    self.cache.copy_prefix(src, dst, n)
+                    self.copied_tokens += n
+                case Idle(slot):  # the request left; its cache entries stay for prefix reuse
+                    self.sampler.release(slot)
+                case Free(slot):
                     self.cache.reset(slot)
-                self.sampler.admit(slot, req.params, req.prompt, seed=req.seed, top_n=req.top_n,
-                                   constrained=req.structured is not None)
-            elif kind == "move":
-                self.cache.move(op[1], op[2])
-                self.sampler.move(op[1], op[2])
-            elif kind == "copy":
-                _, src, dst, n = op
-                self.cache.copy_prefix(src, dst, n)
-                self.copied_tokens += n
-            elif kind == "idle":  # the request left; its cache entries stay for prefix reuse
-                self.sampler.release(op[1])
-            else:  # free
-                self.cache.reset(op[1])
-                self.sampler.release(op[1])
+                    self.sampler.release(slot)
+                case _:
+                    raise TypeError(f"not a slot operation: {op!r}")
 
     # ------------------------------------------------------------------ warm-up and stats
     @torch.inference_mode()
@@ -542,12 +531,21 @@ class _StepMasks:
         self.at += k
         return rows
 
-    def advance(self, draws) -> None:
+    def advance(self, draws: list[RowDraws]) -> None:
         """Each constrained request's matcher takes its token; `stop` on the draws whose grammar is complete.
         (A list of draws is a verified row's: its matcher took them as they were drawn, EngineCore._verify.)"""
-        for r, d in zip(self.sampled, draws):
-            if not isinstance(d, list) and r.id in self.matchers:
-                ok, done = self.matchers.accept(r.id, d.token)
-                d.stop = done or not ok
-                if not ok:
-                    d.failed = self.matchers.error(r.id)
+        rows = [(r, d) for r, d in zip(self.sampled, draws) if not isinstance(d, list)]
+        accept_grammar(self.matchers, [r for r, _ in rows], [d for _, d in rows])
+
+
+def accept_grammar(matchers: Matchers | None, reqs, draws: list[Draw]) -> None:
+    """Constrained requests' matchers take their draws now (the next position's masks depend on them);
+    `stop` on a draw whose grammar is complete or refused it."""
+    if not matchers:
+        return
+    for r, d in zip(reqs, draws):
+        if r.id in matchers:
+            ok, done = matchers.accept(r.id, d.token)
+            d.stop = done or not ok
+            if not ok:  # the request ends with an error (Scheduler.update), not with this token
+                d.failed = matchers.error(r.id)

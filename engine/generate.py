@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.core import EngineCore
+from engine.params import SamplingParams, draw_seed
 from engine.request import EngineRequest, check_context, with_seed
-from engine.sampling import SamplingParams, draw_seed
 from engine.spec_decode import SpecConfig, parse_speculative
 from engine.stopping import FinishReason, StopMatcher
 from model.gpt import GPT

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.generate import Sequence
+from engine.params import SamplingParams
 from engine.request import ErrorKind, PromptLogprobs, RequestOutput
-from engine.sampling import SamplingParams
 from engine.stopping import FinishReason
 from model.tokenizer import Tokenizer
 

@@ -15,7 +15,8 @@ from typing import Literal
 
 import torch
 
-from engine.sampling import EXP_FLOOR, STREAM_BLOCK, STREAM_TOKEN, gumbel, row_keys
+from engine.sampler.noise import STREAM_BLOCK, STREAM_TOKEN, gumbel, row_keys
+from engine.sampler.sampler import EXP_FLOOR
 
 Kind = Literal["greedy", "sample", "sample_sharpened"]  # T = 0, T = 1, T < 1 (clamped before exp)
 KINDS: tuple[Kind, ...] = ("greedy", "sample", "sample_sharpened")

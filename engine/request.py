@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from engine.stopping import FinishReason
 from model.kv_cache import ContextLengthError
 

@@ -17,8 +17,8 @@ import os
 import sys
 
 from engine.generate import speculation, stream_generate
+from engine.params import SamplingParams
 from engine.request import check_context
-from engine.sampling import SamplingParams
 from engine.spec_decode import parse_speculative
 from engine.spec_decode.config import DEFAULT_K
 from model.checkpoint import Checkpoint, CheckpointError, load_checkpoint

@@ -6,7 +6,7 @@ One step, as vLLM V1's `EngineCore.step` runs it: `schedule(now)` → the core e
 `update(step, draws)`.
 
 - Admission: waiting requests (FIFO) take free slots; a slot is reset and the request's sampling state
-  written there (`("admit", slot, request)`).
+  written there (`Admit`; the ops are engine/ops.py's).
 - Prefill: a budget of `prefill_chunk` prompt tokens per step, oldest admitted first. A long prompt takes
   several steps, so running streams wait at most one chunk between tokens. With no request decoding nobody
   waits for a token, so the budget is `idle_prefill_chunk` (larger: a long prompt in one pass reads the weights
@@ -21,7 +21,7 @@ One step, as vLLM V1's `EngineCore.step` runs it: `schedule(now)` → the core e
 - Prefix caching (`prefix_cache=True`; the server's default, `GPT_PREFIX_CACHE`): a slot keeps its keys and
   values when its request ends, and `engine.prefix_cache.PrefixIndex` remembers which tokens every slot holds. A
   new prompt takes the slot with the longest common prefix when that slot is idle (only the rest is prefilled, as
-  llama.cpp's server does), or a free slot into which that prefix is copied from a running one (`("copy", src,
+  llama.cpp's server does), or a free slot into which that prefix is copied from a running one (`Copy(src,
   dst, n)`: a copy of n tokens costs far less than their prefill); with no match, the least recently used idle
   slot is overwritten. Reuse needs at least `min_prefix` tokens and always leaves the last prompt token to be
   computed (its logits are sampled). The moves that keep the decoding batch contiguous become swaps, so what an
@@ -43,19 +43,20 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.ops import Admit, Copy, Draw, Free, Idle, Move, Op, RowDraws
+from engine.params import SamplingParams
 from engine.prefix_cache import DEFAULT_BLOCK, PrefixIndex
 from engine.request import EngineRequest, ErrorKind, RequestOutput
-from engine.sampling import SamplingParams
 from engine.stopping import FinishReason
 
 
-def finish_reason(params: SamplingParams, eos_id: int | None, generated: int, draw) -> FinishReason | None:
+def finish_reason(params: SamplingParams, eos_id: int | None, generated: int, draw: Draw) -> FinishReason | None:
     """How a request ends when `draw` (.token; .stop: its grammar is complete, engine/structured_output.py) is its
     `generated`-th token, or None: EOS (when it stops at EOS) or one of its stop_token_ids, both only past min_tokens
     (the sampler suppresses them until then); a complete grammar (FinishReason.EOS if it took EOS); max_new_tokens.
     The one rule: `Scheduler.update` ends requests by it, and the engine core stops verifying a row's proposal at
     the token it ends (EngineCore._verify)."""
-    stop = getattr(draw, "stop", False)
+    stop = draw.stop
     may_stop = generated > params.min_tokens
     if draw.token == eos_id and ((params.stop_at_eos and may_stop) or stop):
         return FinishReason.EOS
@@ -86,6 +87,11 @@ class Running:
     @property
     def prompt_len(self) -> int:
         return len(self.request.prompt)
+
+    @property
+    def queue_s(self) -> float:
+        """Seconds from arrival to admission into a slot (reported with the first output)."""
+        return max(0.0, (self.admitted_at or self.request.arrival) - self.request.arrival)
 
     @property
     def kv_len(self) -> int:
@@ -126,19 +132,9 @@ class Chunk:
         return [i for i, r in enumerate(self.reqs) if r.request.params.max_new_tokens > 0]
 
 
-# Slot operations, applied in order before the step computes:
-#   ("admit", slot, EngineRequest, k)  keep the slot's first k cached tokens (0: reset it), write the request's
-#                                      sampling state and prompt
-#   ("copy", src, dst, k)              dst's cache holds src's first k tokens (prefix caching)
-#   ("move", [src...], [dst...])       move what the slots hold (cache entries and sampler state); swaps work
-#   ("free", slot)                     the slot holds nothing now
-#   ("idle", slot)                     its request left; the cache entries stay for reuse (prefix caching)
-Op = tuple
-
-
 @dataclass
 class Step:
-    ops: list[Op] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)  # slot operations (engine/ops.py), applied in order first
     prefills: list[Chunk] = field(default_factory=list)
     decode: list[Running] = field(default_factory=list)  # decode[i] is in slot i
     ended: list[RequestOutput] = field(default_factory=list)  # ended before computing (deadlines)
@@ -232,7 +228,7 @@ class Scheduler:
             r = self.waiting.popleft()
             if self.prefix is None:
                 r.slot = self.free.pop(0)
-                self._ops.append(("admit", r.slot, r.request, 0))
+                self._ops.append(Admit(r.slot, r.request))
             elif not self._admit_reusing(r):
                 held_back.append(r)
                 continue
@@ -244,7 +240,7 @@ class Scheduler:
         step.ops, self._ops = self._ops, []
         return step
 
-    def update(self, step: Step, draws) -> list[RequestOutput]:
+    def update(self, step: Step, draws: list[RowDraws]) -> list[RequestOutput]:
         """Record the sampled tokens (`draws[i]` for `step.sampled[i]`: .token, .logprob, .top, or a list of them for
         a row that verified proposals); end the requests that are done and move those whose prompt completed into
         the decoding batch."""
@@ -262,7 +258,7 @@ class Scheduler:
             finish = None
             out = RequestOutput(r.id, [], [], [] if r.request.top_n else None)
             for d in ds:
-                if getattr(d, "failed", ""):  # its grammar refused the token: the request ends with an error
+                if d.failed:  # its grammar refused the token: the request ends with an error
                     out = RequestOutput(r.id, [], [], error=ErrorKind.INVALID, message=(
                         f"structured output failed at generated token {r.generated + 1}: {d.failed}"))
                     break
@@ -278,7 +274,7 @@ class Scheduler:
                     break
             out.finish = finish
             if r.generated == 1:
-                out.queue_s = max(0.0, (r.admitted_at or r.request.arrival) - r.request.arrival)
+                out.queue_s = r.queue_s
                 out.cached_tokens = r.cached
             outputs.append(out)
             if finish is not None or out.error is not None:
@@ -292,7 +288,7 @@ class Scheduler:
                 for r in c.reqs:
                     if r.request.params.max_new_tokens == 0 and self.by_id.get(r.id) is r:
                         out = RequestOutput(r.id, [], [], None, FinishReason.LENGTH)
-                        out.queue_s = max(0.0, (r.admitted_at or r.request.arrival) - r.request.arrival)
+                        out.queue_s = r.queue_s
                         outputs.append(out)
                         del self.by_id[r.id]
                         self._release(r)
@@ -354,13 +350,13 @@ class Scheduler:
         if src != target:
             holder = next((q for q in [*self.prefilling, *later] if q.slot == target), None)
             if holder is not None:  # a prompt being prefilled holds it: swap the two
-                self._ops.append(("move", [src, target], [target, src]))
+                self._ops.append(Move([src, target], [target, src]))
                 holder.slot = src
             elif self.prefix is None:  # the target is free: move
-                self._ops.append(("move", [src], [target]))
-                self._ops.append(("free", src))
+                self._ops.append(Move([src], [target]))
+                self._ops.append(Free(src))
             else:  # free but maybe caching a prefix: swap, so what it holds survives in src
-                self._ops.append(("move", [src, target], [target, src]))
+                self._ops.append(Move([src, target], [target, src]))
             if holder is None:
                 self.free.remove(target)
                 bisect.insort(self.free, src)
@@ -379,7 +375,7 @@ class Scheduler:
             freed = list(range(self.n_slots))
             self.prefix.clear()
         for slot in freed:
-            self._ops.append(("free", slot))
+            self._ops.append(Free(slot))
         for r in holders:
             r.slot = None
         self.prefilling, self.decoding = [], []
@@ -389,9 +385,8 @@ class Scheduler:
     def _release_many(self, done: list[Running]) -> None:
         """The requests of one step that end leave with the fewest moves: a leaving request in the last decoding
         slot goes first (nothing moves); otherwise the lowest one leaves and the last request, which stays, moves
-        into its slot. In step order, a request moved down could leave next and move again: when 32 streams ended
-        together that was ~27 swaps of caches that were leaving anyway (47 ms of copies in the next step, GPT-2
-        124M on 2 cores)."""
+        into its slot. In step order, a request moved down could leave next and move again: copies of caches that were
+        leaving anyway, charged to the next step (docs/performance.md, "Measurements moved out of code comments")."""
         decoding = {id(q) for q in self.decoding}
         for r in done:
             if id(r) not in decoding:  # prefilling: nothing moves
@@ -413,18 +408,18 @@ class Scheduler:
             if freed != last:
                 moved = self.decoding[last]
                 if self.prefix is None:
-                    self._ops.append(("move", [last], [freed]))
+                    self._ops.append(Move([last], [freed]))
                 else:
-                    self._ops.append(("move", [last, freed], [freed, last]))
+                    self._ops.append(Move([last, freed], [freed, last]))
                     self.prefix.swap(last, freed)
                 moved.slot = freed
                 self.decoding[freed] = moved
                 freed = last
             self.decoding.pop()
         if self.prefix is None:
-            self._ops.append(("free", freed))
+            self._ops.append(Free(freed))
         else:
-            self._ops.append(("idle", freed))
+            self._ops.append(Idle(freed))
             self._clock += 1
             self.used_at[freed] = self._clock
         bisect.insort(self.free, freed)
@@ -476,7 +471,7 @@ class Scheduler:
             # no reusable idle slot: overwrite an empty one, else the least recently used
             slot = min(self.free, key=lambda s: (len(self.prefix.tokens[s]) > 0, self.used_at[s]))
             if src is not None:
-                self._ops.append(("copy", src, slot, k))
+                self._ops.append(Copy(src, slot, k))
                 self.prefix.copy(src, slot, k)
                 self.used_at[src] = self._clock
             else:
@@ -485,7 +480,7 @@ class Scheduler:
         self.used_at[slot] = self._clock
         r.slot, r.prefilled, r.cached = slot, k, k
         self.hit_tokens += k
-        self._ops.append(("admit", slot, r.request, k))
+        self._ops.append(Admit(slot, r.request, k))
         return True
 
     def _pending_prefix(self, r: Running) -> int:

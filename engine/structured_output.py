@@ -26,7 +26,7 @@ The library's masks are computed without the GIL, in parallel over the batch (`L
 cores to spare.
 
 The mask is the packed int32 bitmask (bit j of word i allows token 32·i + j), one row per constrained request,
-filled on the host and applied on the model's device by `engine.sampling.Sampler` (`_mask`: it zeroes the
+filled on the host and applied on the model's device by `engine.sampler.Sampler` (`Masker.apply`: it zeroes the
 disallowed tokens' exp(z − max z)); the distribution is that of masking after the penalties and before
 temperature, top-k and top-p, so those act within the allowed set. `<|endoftext|>` is allowed
 exactly where the grammar may end. A request ends when its grammar is complete (`accept` says `done`: nothing

@@ -124,7 +124,7 @@ def sse_events(text: str) -> list:
 def reference_generate(ckpt: Path, prompt: str, **params):
     """What engine.generate produces for one prompt alone (the solo reference)."""
     from engine.generate import generate
-    from engine.sampling import SamplingParams
+    from engine.params import SamplingParams
     from model.checkpoint import load_checkpoint
 
     c = load_checkpoint(ckpt)

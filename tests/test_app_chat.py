@@ -66,7 +66,7 @@ def transcript_ckpt(tmp_path_factory) -> Path:
 
 def test_reply_stops_at_the_next_you(transcript_ckpt):
     from engine.generate import generate
-    from engine.sampling import SamplingParams
+    from engine.params import SamplingParams
     from model.checkpoint import load_checkpoint
 
     prompt = "You: hi\nModel:"

@@ -14,8 +14,8 @@ import torch
 import engine.compiled_decode as cd
 import model.linear as L
 from engine.core import EngineCore
+from engine.params import SamplingParams
 from engine.request import EngineRequest
-from engine.sampling import SamplingParams
 from tests.helpers import tiny_model
 
 REQUESTS = [(list(range(5, 17)), 0.0, None, 1), (list(range(9, 30)), 0.8, 0.9, 7), (list(range(3, 8)), 1.0, None, 3)]

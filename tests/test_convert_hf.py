@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.generate import generate
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from model.checkpoint import load_checkpoint
 from tests.helpers import REPO
 

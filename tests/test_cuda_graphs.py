@@ -13,8 +13,8 @@ import torch
 from engine.core import EngineCore
 from engine.cuda_graphs import GraphedDecode, context_buckets, eager_capture
 from engine.generate import decode_step, prefill
+from engine.params import SamplingParams
 from engine.request import EngineRequest
-from engine.sampling import SamplingParams
 from model.kv_cache import ContextLengthError, KVCache
 from tests.helpers import tiny_model
 

@@ -59,8 +59,8 @@ def run_core_with_a_device_assert(cfg: dict, address: str, conn, parent_pid: int
 def test_the_core_process_sends_the_error_then_exits_with_its_status(tiny_ckpt, tmp_path):
     import zmq
 
+    from engine.params import SamplingParams
     from engine.request import EngineRequest
-    from engine.sampling import SamplingParams
     from engine.wire import Add, Hello, Outputs, decode_to_front, encode
 
     cfg = CoreConfig(checkpoint=str(tiny_ckpt), device="cpu", dtype="fp32", torch_threads=1, warmup=False)

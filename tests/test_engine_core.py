@@ -9,8 +9,8 @@ import torch
 
 from engine.core import EngineCore
 from engine.generate import generate
+from engine.params import SamplingParams
 from engine.request import EngineRequest, ErrorKind
-from engine.sampling import SamplingParams
 from model.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -13,8 +13,8 @@ import torch
 
 from engine.core import EngineCore
 from engine.generate import generate
+from engine.params import SamplingParams
 from engine.request import EngineRequest, StructuredSpec
-from engine.sampling import SamplingParams
 from engine.spec_decode import parse_speculative
 from engine.stopping import FinishReason
 from model.checkpoint import load_checkpoint

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.sampling as sampling
-from engine.sampling import Sampler, SamplingParams
+import engine.sampler.bitmask as bitmask
+from engine.params import SamplingParams
+from engine.sampler import Sampler
 from model.kv_cache import device_index
 from tests.helpers import ALLOWED, PROBS, packed_bitmask
 
@@ -32,15 +33,15 @@ def draws(params: dict, constrained: list[bool], shifts: list[float], steps: int
 def test_the_sync_free_underflow_rescue_draws_what_the_read_back_does(params, constrained, monkeypatch):
     shifts = [-150.0, 0.0, -150.0]  # rows 0 and 2: the allowed tokens' exp underflows; row 1's does not
     calls = []
-    inner = Sampler._rescue_underflow_all_rows
+    inner = bitmask.Masker._rescue_where
 
     def spy(self, *args):
         calls.append(args[-1].clone())
         return inner(self, *args)
 
     expected = draws(params, constrained, shifts)
-    monkeypatch.setattr(sampling, "READBACK_DEVICES", ())  # as on a GPU
-    monkeypatch.setattr(Sampler, "_rescue_underflow_all_rows", spy)
+    monkeypatch.setattr(bitmask, "READBACK_DEVICES", ())  # as on a GPU
+    monkeypatch.setattr(bitmask.Masker, "_rescue_where", spy)
     got = draws(params, constrained, shifts)
     assert [t for t, _ in got] == [t for t, _ in expected]
     torch.testing.assert_close([lp for _, lp in got], [lp for _, lp in expected])
@@ -124,5 +125,6 @@ def test_every_host_to_device_index_of_a_step_goes_through_device_index():
     from pathlib import Path
 
     engine = Path(__file__).resolve().parents[1] / "engine"
-    files = [engine / "sampling.py", engine / "core.py", *sorted((engine / "spec_decode").glob("*.py"))]
+    files = [*sorted((engine / "sampler").glob("*.py")), engine / "core.py",
+             *sorted((engine / "spec_decode").glob("*.py"))]
     assert [hit for f in files for hit in host_to_device_copies(f)] == []

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.generate import decode_step, generate, prefill
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.kv_cache import ContextLengthError, KVCache

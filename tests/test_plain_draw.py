@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.params import SamplingParams
 from engine.plain_draw import plain_draw
-from engine.sampling import Sampler, SamplingParams
+from engine.sampler import Sampler
 
 V, SLOTS = 1000, 6  # not a multiple of the block: the padding columns are never drawn
 
@@ -35,7 +36,7 @@ def test_plain_draw_is_the_samplers_draw(kind, temperature):
         got = fused.take(range(n), token, logprob)
         assert [d.token for d in got] == [d.token for d in want]
         assert [d.logprob for d in got] == pytest.approx([d.logprob for d in want], abs=1e-5)
-    assert torch.equal(eager.history, fused.history) and torch.equal(eager.seen, fused.seen)
+    assert torch.equal(eager.history, fused.history) and torch.equal(eager.state.seen, fused.state.seen)
 
 
 def test_only_plain_plans_are_drawn_inside_the_step():

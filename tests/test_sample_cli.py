@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from engine.generate import generate
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from model.checkpoint import load_checkpoint, save_checkpoint
 from tests.helpers import REPO, tiny_model
 

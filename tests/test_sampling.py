@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from engine.sampling import _M32, _MUL, Sampler, SamplingParams, gumbel, row_keys, seed_keys
+from engine.params import SamplingParams
+from engine.sampler import Sampler
+from engine.sampler.noise import _M32, _MUL, gumbel, row_keys, seed_keys
 from tests.helpers import ALLOWED, PROBS, ReadBackCounter, packed_bitmask
 
 
@@ -259,7 +261,8 @@ def test_extreme_but_valid_parameters_stay_finite():
     """Values a JSON client may send (the smallest positive double): temperature 5e-324 decodes greedily
     (1/T would overflow float32), top_p 5e-324 keeps only the most likely token (p · mass would underflow to 0
     and reject every token forever); a repetition penalty below 0.01 is refused (logits / p overflow)."""
-    from engine.sampling import Sampler, SamplingParams
+    from engine.params import SamplingParams
+    from engine.sampler import Sampler
 
     V = 259  # a partial last sampler block
     torch.manual_seed(0)
@@ -365,11 +368,11 @@ def test_unused_bias_keeps_the_fast_path():
     s = Sampler(2, 300, 8)
     s.admit(0, SamplingParams(temperature=0.0), [1], seed=0)
     s.admit(1, SamplingParams(temperature=1.0, min_tokens=2), [1], seed=0)  # no EOS known, no stop ids: nothing
-    plan = s._plan(range(2))
+    plan = s.plans.get(range(2))
     assert not plan.bias and not plan.min_tokens
-    assert s.bias is None and s.suppress is None
+    assert s.state.bias is None and s.state.suppress is None
     s.admit(1, SamplingParams(temperature=1.0, logit_bias={3: 1.0}), [1], seed=0)
-    assert s._plan(range(2)).bias and s.bias is not None
+    assert s.plans.get(range(2)).bias and s.state.bias is not None
 
 
 @pytest.mark.parametrize("params", [dict(logit_bias={3: 2.0}), dict(min_tokens=3, stop_token_ids=[4])])
@@ -388,7 +391,7 @@ def test_a_biased_step_reads_back_once(params):
 
 # ---------------------------------------------------------------------------------------------- grammar masks
 def test_apply_bitmask_sets_exactly_the_disallowed_tokens_to_minus_inf():
-    from engine.sampling import apply_bitmask
+    from engine.sampler.bitmask import apply_bitmask
 
     g = torch.Generator().manual_seed(0)
     V = 1000
@@ -444,9 +447,9 @@ def masked_reference(logits: torch.Tensor, allowed: torch.Tensor, temperature: f
                                     dict(temperature=1.0, top_p=0.75), dict(temperature=0.8, top_k=3)])
 @pytest.mark.parametrize("shift", [0.0, -150.0], ids=["near", "far below"])
 def test_masked_sampling_follows_the_renormalized_allowed_distribution(params, shift):
-    """The mask multiplies exp(z − max z) (Sampler._mask); 'far below': the allowed tokens lie 150 nats under
+    """The mask multiplies exp(z − max z) (Masker.apply); 'far below': the allowed tokens lie 150 nats under
     the disallowed ones, so their exp underflows and the rows are recomputed from their allowed max
-    (_rescue_underflow). Both must give softmax over the allowed tokens, then top-k / top-p."""
+    (Masker.rescue). Both must give softmax over the allowed tokens, then top-k / top-p."""
     logits = PROBS.log() + torch.where(ALLOWED, shift, 0.0)
     expected = masked_reference(logits, ALLOWED, params["temperature"])
     if "top_p" in params:
@@ -466,7 +469,7 @@ def test_masked_greedy_is_the_best_allowed_token(shift):
 def test_low_temperature_masked_rows_never_draw_a_disallowed_or_padding_token():
     """exp(d / T) is clamped at EXP_FLOOR (torch's CPU exp is slow where it underflows), so most entries of e sit
     at the floor before the mask: constrained rows must still draw only allowed tokens below the vocabulary size
-    (the padding columns are zeroed in _mask; a drawn padding id would need a block of floor-level allowed tokens
+    (the padding columns are zeroed in Masker.apply; a drawn padding id would need a block of floor-level allowed tokens
     to win, which no seeded test reaches, so this guards the disallowed tokens above all)."""
     V, B = 300, 8
     s = Sampler(B, V, 40)

@@ -3,23 +3,19 @@ compaction, aborts and deadlines. Pure bookkeeping: no model, no threads, no sle
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
+from engine.ops import Admit, Copy, Draw, Free, Idle, Move
+from engine.params import SamplingParams
 from engine.request import EngineRequest, ErrorKind
-from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stopping import FinishReason
 
 EOS = 0
 
 
-@dataclass
-class D:  # a draw as the sampler returns it
-    token: int
-    logprob: float = -1.0
-    top: list | None = None
+def D(token: int) -> Draw:  # a draw as the sampler returns it
+    return Draw(token, -1.0)
 
 
 def req(rid: str, n_prompt: int, max_new: int = 4, deadline: float | None = None, eos: bool = True) -> EngineRequest:
@@ -36,15 +32,16 @@ def run_step(s: Scheduler, now: float = 0.0, token: int = 5):
 def apply(slots: dict, ops) -> None:
     """What the core does with the ops, on a dict slot → request id: the moves must keep each request's data."""
     for op in ops:
-        if op[0] == "admit":
-            slots[op[1]] = op[2].request_id
-        elif op[0] == "move":
-            moved = {d: slots.get(src) for src, d in zip(op[1], op[2])}
-            for src in op[1]:
-                slots.pop(src, None)
-            slots.update({d: v for d, v in moved.items() if v is not None})
-        else:
-            slots.pop(op[1], None)
+        match op:
+            case Admit(slot, request):
+                slots[slot] = request.request_id
+            case Move(src, dst):
+                moved = {d: slots.get(x) for x, d in zip(src, dst)}
+                for x in src:
+                    slots.pop(x, None)
+                slots.update({d: v for d, v in moved.items() if v is not None})
+            case Free(slot) | Idle(slot):
+                slots.pop(slot, None)
 
 
 def check_invariants(s: Scheduler, slots: dict) -> None:
@@ -62,8 +59,8 @@ def test_admission_is_fifo_into_free_slots_and_the_rest_waits():
     for i in range(4):
         s.add(req(f"r{i}", 3))
     step = s.schedule(0.0)
-    assert [op[0] for op in step.ops] == ["admit", "admit"]
-    assert [op[2].request_id for op in step.ops] == ["r0", "r1"]
+    assert [type(op) for op in step.ops] == [Admit, Admit]
+    assert [op.request.request_id for op in step.ops] == ["r0", "r1"]
     assert [r.id for r in s.waiting] == ["r2", "r3"]
     assert s.n_running == 2 and s.n_waiting == 2
 
@@ -209,25 +206,24 @@ class KV:
 
     def apply(self, ops) -> None:
         for op in ops:
-            if op[0] == "admit":
-                _, slot, _, keep = op
-                assert len(self.slots[slot]) >= keep
-                self.slots[slot] = self.slots[slot][:keep]
-            elif op[0] == "copy":
-                _, src, dst, n = op
-                assert len(self.slots[src]) >= n
-                self.slots[dst] = self.slots[src][:n]
-                self.copied += n
-            elif op[0] == "move":
-                moved = [self.slots[x] for x in op[1]]
-                for x in set(op[1]) - set(op[2]):
-                    self.slots[x] = []
-                for d, content in zip(op[2], moved):
-                    self.slots[d] = content
-            elif op[0] == "free":
-                self.slots[op[1]] = []
-            else:
-                assert op[0] == "idle"
+            match op:
+                case Admit(slot, _, keep):
+                    assert len(self.slots[slot]) >= keep
+                    self.slots[slot] = self.slots[slot][:keep]
+                case Copy(src, dst, n):
+                    assert len(self.slots[src]) >= n
+                    self.slots[dst] = self.slots[src][:n]
+                    self.copied += n
+                case Move(src, dst):
+                    moved = [self.slots[x] for x in src]
+                    for x in set(src) - set(dst):
+                        self.slots[x] = []
+                    for d, content in zip(dst, moved):
+                        self.slots[d] = content
+                case Free(slot):
+                    self.slots[slot] = []
+                case _:
+                    assert isinstance(op, Idle)
 
     def compute(self, step) -> None:
         for c in step.prefills:
@@ -267,7 +263,7 @@ def test_a_next_turn_reuses_its_conversation_from_the_idle_slot():
     turn2 = turn1 + [7] * 5 + list(range(200, 210))
     s.add(preq("t2", turn2, max_new=2))
     step = s.schedule(0.0)
-    assert step.ops[-1][:2] == ("admit", 0) and step.ops[-1][3] == 24  # all that was computed
+    assert step.ops[-1] == Admit(0, step.ops[-1].request, 24)  # all that was computed
     assert (step.prefills[0].start, step.prefills[0].n) == (24, len(turn2) - 24)
     kv.apply(step.ops)
     kv.compute(step)
@@ -295,11 +291,11 @@ def test_a_running_slot_lends_its_prefix_by_copy_and_the_longest_wins():
     long_slot = s.by_id["long"].slot
     s.add(preq("q", system + [4, 4], max_new=2))
     step = s.schedule(0.0)
-    copy = [op for op in step.ops if op[0] == "copy"]
-    assert copy == [("copy", long_slot, copy[0][2], 20)]  # from the running one, the longest (20 > 8)
+    copy = [op for op in step.ops if isinstance(op, Copy)]
+    assert copy == [Copy(long_slot, copy[0].dst, 20)]  # from the running one, the longest (20 > 8)
     kv.apply(step.ops)
     kv.compute(step)
-    assert kv.slots[copy[0][2]][:20] == system
+    assert kv.slots[copy[0].dst][:20] == system
 
 
 def test_a_request_cancelled_mid_prefill_leaves_only_what_was_computed():
@@ -325,7 +321,22 @@ def test_least_recently_used_idle_slots_are_overwritten_first():
     oldest = next(i for i, t in enumerate(kv.slots) if t[:1] == [0])
     s.add(preq("new", [9] * 8, max_new=1))
     step = s.schedule(0.0)
-    assert step.ops[-1][:2] == ("admit", oldest) and step.ops[-1][3] == 0
+    assert step.ops[-1] == Admit(oldest, step.ops[-1].request, 0)
+
+
+def as_list(op) -> list:
+    """An op as the golden trace records it (the tuple form it had then)."""
+    match op:
+        case Admit(slot, request, keep):
+            return ["admit", slot, request.request_id, keep]
+        case Copy(src, dst, n):
+            return ["copy", src, dst, n]
+        case Move(src, dst):
+            return ["move", src, dst]
+        case Free(slot):
+            return ["free", slot]
+        case Idle(slot):
+            return ["idle", slot]
 
 
 def op_trace(seed: int, steps: int = 80) -> list[list]:
@@ -343,7 +354,7 @@ def op_trace(seed: int, steps: int = 80) -> list[list]:
         if rng.random() < 0.08 and s.by_id:
             s.abort([rng.choice(sorted(s.by_id))])
         step = s.schedule(float(t))
-        ops = [["admit", op[1], op[2].request_id, op[3]] if op[0] == "admit" else list(op) for op in step.ops]
+        ops = [as_list(op) for op in step.ops]
         out.append(ops + [["prefill", [r.id for r in c.reqs], c.start, c.n] for c in step.prefills])
         s.update(step, [D(EOS if rng.random() < 0.1 else 5) for _ in step.sampled])
     return out
@@ -388,10 +399,10 @@ def test_random_traffic_with_prefix_caching_keeps_the_cache_true(seed):
         kv.apply(step.ops)  # the slots now hold what the step starts from
         slots: dict = {}
         for op in step.ops:
-            if op[0] == "admit":
-                assert kv.slots[op[1]] == op[2].prompt[:op[3]]  # what is kept is the prompt's own prefix
-                assert op[3] < len(op[2].prompt)
-                hits += op[3]
+            if isinstance(op, Admit):
+                assert kv.slots[op.slot] == op.request.prompt[:op.keep]  # what is kept is the prompt's own prefix
+                assert op.keep < len(op.request.prompt)
+                hits += op.keep
         for r in s.prefilling + s.decoding:
             slots[r.slot] = r.id
         check_invariants(s, slots)
@@ -411,7 +422,7 @@ def test_a_burst_sharing_a_system_prompt_prefills_it_once():
     for i in range(4):
         s.add(preq(f"r{i}", system + [i, i, i], max_new=3))
     step = s.schedule(0.0)
-    assert [op[0] for op in step.ops] == ["admit"] and s.n_waiting == 3  # the others wait for its prefix
+    assert [type(op) for op in step.ops] == [Admit] and s.n_waiting == 3  # the others wait for its prefix
     kv.apply(step.ops)
     kv.compute(step)
     s.update(step, [D(5) for _ in step.sampled])
@@ -437,7 +448,7 @@ def test_a_request_scoring_its_prompt_computes_all_of_it_but_leaves_it_cached():
     scored = EngineRequest("score", p + [1, 2], SamplingParams(max_new_tokens=0), seed=1, prompt_logprobs=1)
     s.add(scored)
     step = s.schedule(0.0)
-    assert step.ops[-1][3] == 0 and step.prefills[0].start == 0  # every prompt position computed
+    assert step.ops[-1].keep == 0 and step.prefills[0].start == 0  # every prompt position computed
     kv.apply(step.ops)
     kv.compute(step)
     (out,) = s.update(step, [])
@@ -474,7 +485,7 @@ def test_requests_ending_together_leave_with_the_fewest_moves(prefix, ending):
     s.update(step, [D(EOS if r.slot in ending else 5) for r in step.sampled])
     step = s.schedule(0.0)
     apply(slots, step.ops)
-    moves = [op for op in step.ops if op[0] == "move"]
+    moves = [op for op in step.ops if isinstance(op, Move)]
     stay = 6 - len(ending)
     assert len(moves) == sum(1 for i in range(stay, 6) if i not in ending)
     check_invariants(s, slots)

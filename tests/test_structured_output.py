@@ -16,8 +16,8 @@ import torch
 
 from bench.structured import SCHEMAS
 from engine.core import EngineCore
+from engine.params import SamplingParams
 from engine.request import EngineRequest, ErrorKind, StructuredSpec
-from engine.sampling import SamplingParams
 from engine.stopping import FinishReason
 from engine.structured_output import GrammarError, Grammars, Matchers, grammar_text
 from model.checkpoint import load_checkpoint

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.generate import Sequence
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from engine.stopping import FinishReason, StopMatcher
 from model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from tests.helpers import write_byte_ranks

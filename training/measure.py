@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.generate import generate
-from engine.sampling import MAX_SEED, SamplingParams
+from engine.params import MAX_SEED, SamplingParams
 from model.gpt import GPT
 from model.tokenizer import Tokenizer
 from training.config import TrainConfig

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, ConfigDict, Field
 
-from engine.sampling import BOUNDS
+from engine.params import BOUNDS
 
 MAX_INT = 2**31 - 1
 # strict: JSON types as declared (no "10" for an integer); NaN / Infinity refused; unknown keys ignored
@@ -17,7 +17,7 @@ StopString = Annotated[str, Field(min_length=1)]
 
 
 def bound(name: str, **override) -> dict:
-    """`Field` limits of a sampling parameter from the engine's table (engine.sampling.BOUNDS); `override` where
+    """`Field` limits of a sampling parameter from the engine's table (engine.params.BOUNDS); `override` where
     an API's range differs (an off value of its own, an integer the JSON schema caps at MAX_INT)."""
     return BOUNDS[name].field(**override)
 

@@ -1,0 +1,82 @@
+"""The hierarchical draw's layout (`Blocks`: the vocabulary, plus the -inf sink column V, in whole blocks) and its
+draws: greedy (`argmax`), Gumbel-max within a chosen block (`draw`), and top-k rows (`top_k_draw`)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampler.bitmask import apply_bitmask
+from engine.sampler.noise import STREAM_TOKEN, gumbel, row_keys
+from engine.sampler.plan import Plan
+from engine.sampler.state import SlotState
+
+BLOCK_SIZE = 256  # tokens per block of the hierarchical draw (√V-ish for GPT-2's 50257)
+
+
+class Blocks:
+    """`n` blocks of `size` tokens covering the vocabulary and its -inf sink column V (`padded` = n · size
+    columns), with the index tensors the draws reuse."""
+
+    def __init__(self, vocab_size: int, size: int, device: torch.device) -> None:
+        self.size = size
+        self.n = (vocab_size + 1 + size - 1) // size  # +1: column V is a -inf sink
+        self.padded = self.n * size
+        self.device = device
+        self.ids = torch.arange(self.n, dtype=torch.long, device=device)
+        self.in_block = torch.arange(size, dtype=torch.long, device=device)
+
+    def argmax(self, zb: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        """Greedy: the best block by its max, then the best token in it (first index on ties, as argmax)."""
+        within = zb.gather(1, block[:, None, None].expand(-1, 1, self.size))[:, 0]  # (B, BS)
+        return block * self.size + within.argmax(-1)
+
+    def draw(self, zb: torch.Tensor, block: torch.Tensor, key: torch.Tensor, scale: torch.Tensor | None,
+             e: torch.Tensor | None = None, e_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The token of the chosen block: argmax of z + Gumbel noise keyed by token id (z = zb · scale).
+        With `e` (the masked exp, constrained rows `e_rows`, None: all), those rows read log e instead: z plus a
+        row's constant where the grammar allows a token, −inf where it does not."""
+        at = block[:, None, None].expand(-1, 1, self.size)
+        within = zb.gather(1, at)[:, 0]  # (B, BS)
+        if scale is not None:
+            within = within * scale
+        if e is not None:
+            log_e = e.unflatten(1, (self.n, self.size)).gather(1, at)[:, 0].log()
+            within = log_e if e_rows is None else within.index_copy(0, e_rows, log_e[e_rows])
+        ids = block[:, None] * self.size + self.in_block  # (B, BS)
+        return block * self.size + (within + gumbel(key, ids)).argmax(-1)
+
+    def cols(self, k: int) -> torch.Tensor:
+        """0..k-1 on the device."""
+        return self.in_block[:k] if k <= self.size else torch.arange(k, device=self.device)
+
+
+def top_k_draw(blocks: Blocks, state: SlotState, src: torch.Tensor, scale: torch.Tensor | None, plan: Plan,
+               seed_key: torch.Tensor, position: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows with top-k: their k best (one topk(max k) for the batch), top-p inside them, Gumbel-max. The
+    constrained ones among them choose among their allowed tokens (a masked copy of their rows)."""
+    sel, K, BS = plan.topk_rows, plan.k_max, blocks.size
+    z = src if plan.topk_all else src[sel]
+    if plan.mask_topk is not None:
+        at, mask_at = plan.mask_topk  # their rows in z, their rows of the bitmask
+        z = z.clone() if z is src else z
+        sub = z[at]
+        apply_bitmask(sub, bitmask[mask_at], state.vocab_size)
+        z[at] = sub
+    zb = z.unflatten(1, (blocks.n, BS))
+    # the k best tokens lie in the k blocks with the best maxima: topk over those k · BS candidates
+    best = zb.amax(-1).topk(min(K, blocks.n), -1).indices  # (Bk, K')
+    cand = zb.gather(1, best[:, :, None].expand(-1, -1, BS)).flatten(1)
+    vals, pos = cand.topk(K, -1)  # sorted, best first (the order of z = src · scale too)
+    ids = (best[:, :, None] * BS + blocks.in_block).flatten(1).gather(1, pos)
+    if scale is not None:
+        vals = vals * (scale if plan.topk_all else scale[sel])
+    k = state.top_k[plan.rows][sel]
+    vals = vals.masked_fill(blocks.cols(plan.k_max)[None, :] >= k[:, None], float("-inf"))
+    if plan.top_p_in_k:
+        p = state.top_p[plan.rows][sel]
+        probs = torch.softmax(vals, -1)
+        before = torch.cumsum(probs, -1) - probs
+        # a token stays while the mass of the better ones is < p; the best one always stays
+        vals = vals.masked_fill((before >= p[:, None]) & (p[:, None] < 1.0), float("-inf"))
+    key = row_keys(seed_key[sel], position[sel], STREAM_TOKEN)
+    return ids.gather(1, (vals + gumbel(key, ids)).argmax(-1, keepdim=True))[:, 0]

@@ -153,10 +153,18 @@ def build_package(step: Step, example: tuple, path: Path) -> None:
 
 
 def load_package(path: Path):
-    """A compiled step from its package: called with `Step`'s inputs, it returns `Step`'s outputs."""
+    """A compiled step from its package: called with `Step`'s inputs, it returns `Step`'s outputs. It calls the
+    package's C++ runner with the flat inputs itself: the runner's Python wrapper parses its call spec (JSON) and
+    flattens the arguments with pytree on every call, ~5% of the bundled model's step (docs/performance.md)."""
     from torch._inductor import aoti_load_package
 
-    return aoti_load_package(str(path))
+    run = aoti_load_package(str(path)).loader.boxed_run
+
+    def step(*inputs: torch.Tensor):
+        out = run(list(inputs))  # boxed: the runner empties the list it is given
+        return out[0] if len(out) == 1 else tuple(out)
+
+    return step
 
 
 class CompiledDecode:

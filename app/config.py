@@ -99,12 +99,15 @@ class Settings(BaseSettings):
     cuda_graphs: bool | None = Field(None, description="decode from CUDA graphs captured at warm-up (default: on "
                                                        "with CUDA; kept only if a replay equals eager decoding)")
     compile: Literal["auto", "on", "off"] = Field(
-        "auto", description="CPU, unquantized weights: decode steps of up to compile_max_batch rows compiled by "
-                            "inductor in the background after start-up (C++ GEMM micro-kernels; swapped in once "
-                            "they equal eager decoding; the plain weights are served, not oneDNN's packed copies); "
-                            "auto: on for fp32 models of at most 16M block parameters, where a token's cost is "
-                            "per-op overhead (the bundled model), off for larger ones")
+        "auto", description="CPU, unquantized weights: decode steps of up to compile_max_batch rows, greedy and "
+                            "plain sampled draws inside, compiled ahead of time by AOTInductor in the background "
+                            "after start-up (C++ GEMM micro-kernels; swapped in once they equal eager decoding) and "
+                            "kept in compile_cache; auto: on for fp32 models of at most 16M block parameters, where "
+                            "a token's cost is per-op overhead (the bundled model), off for larger ones")
     compile_max_batch: int = Field(1, ge=1, le=64, description="the largest decode batch compiled (--compile on)")
+    compile_cache: Path | None = Field(None, description="where compiled decode steps are kept, one folder per "
+                                       "weights, CPU, threads and torch version (default ~/.cache/gpt-serve/compiled):"
+                                       " a restart loads them in milliseconds instead of compiling")
     chat_template: Path | None = Field(None, description="a Jinja chat template file for /v1/chat/completions "
                                        "(default: the checkpoint's chat_template.jinja or tokenizer_config.json, "
                                        "else the You:/Model: transcript)")

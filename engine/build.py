@@ -53,6 +53,7 @@ class CoreConfig:
     cuda_graphs: bool | None = None
     compile: str = "auto"
     compile_max_batch: int = 1
+    compile_cache: str | None = None
     log_level: str = "info"
     speculative: str = "off"
     num_speculative_tokens: int = DEFAULT_K
@@ -66,6 +67,8 @@ class CoreConfig:
         """The fields of a settings object (the server's `Settings`) that share a name with ours."""
         values = {f.name: getattr(s, f.name) for f in fields(cls) if hasattr(s, f.name)}
         values["checkpoint"] = str(values["checkpoint"])
+        if values.get("compile_cache") is not None:
+            values["compile_cache"] = str(values["compile_cache"])
         return cls(**values)
 
 
@@ -200,7 +203,7 @@ def build_core(cfg: CoreConfig, loaded=None):
                           prefix_cache=cfg.prefix_cache, min_prefix=cfg.prefix_cache_min_tokens,
                           prepack=cfg.prepack_weights, quantize=cfg.quantize, int4_group=cfg.int4_group_size,
                           kv_dtype=kv_dtype, speculative=spec, draft_model=draft, compile=cfg.compile,
-                          compile_max_batch=cfg.compile_max_batch,
+                          compile_max_batch=cfg.compile_max_batch, compile_cache=cfg.compile_cache,
                           tokenizer=ckpt.tokenizer)  # structured output compiles grammars against it
     except FormatError as e:
         raise StartupError(f"cannot serve {cfg.checkpoint} as {cfg.quantize} (--quantize) in "

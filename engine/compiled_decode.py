@@ -16,8 +16,9 @@ evaluation and AOT autograd's runtime wrappers, ~40% of the bundled model's comp
   are and its eager steps keep oneDNN's kernels.
 - **In a background thread** while the engine serves eagerly; the engine swaps the steps in at a step boundary
   once a replay equals the eager step on the live cache (`EngineCore._install_compiled`). Start-up never waits.
-- **Cached on disk** (`GPT_COMPILE_CACHE`, default ~/.cache/gpt-serve/compiled), one folder per key: the weights'
-  bytes, the buckets, this CPU's flags, the torch threads, torch's version and the source of the code traced.
+- **Cached on disk** (`cache_dir`: the server's `GPT_COMPILE_CACHE`, default ~/.cache/gpt-serve/compiled), a
+  folder per key: the weights' bytes, the buckets, this CPU's flags, the torch threads, torch's version and the
+  source of the code traced.
   A restart on the same machine loads the packages in milliseconds instead of compiling for minutes; a package
   that does not load (corrupt, another torch) is compiled again, with one log line.
 - A compile that fails, or a replay that differs from eager decoding, leaves the engine eager with one log line.
@@ -58,7 +59,6 @@ AUTO_MAX_BLOCK_PARAMS = 16_000_000
 # max_autotune choosing between aten's GEMM and inductor's C++ micro-kernel per shape
 CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 DEFAULT_MAX_BATCH = 1
-CACHE_ENV = "GPT_COMPILE_CACHE"
 # the code a package was traced from: a change to any of these files makes new packages
 TRACED = ("engine/compiled_decode.py", "engine/plain_draw.py", "engine/sampler/noise.py", "engine/sampler/sampler.py",
           "model/gpt.py", "model/kv_cache.py", "model/linear.py")
@@ -70,7 +70,8 @@ def one_line(e: BaseException) -> str:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "gpt-serve" / "compiled")
+    """Where compiled steps are kept unless the server says (`GPT_COMPILE_CACHE`, app/config.py)."""
+    return Path.home() / ".cache" / "gpt-serve" / "compiled"
 
 
 def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype, quantize: str) -> str:

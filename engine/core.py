@@ -81,7 +81,7 @@ class EngineCore:
                  prepack: bool = False, quantize: str = "none", int4_group: int = DEFAULT_INT4_GROUP,
                  kv_dtype: torch.dtype | None = None, speculative: SpecConfig | None = None,
                  draft_model: GPT | None = None, compile: str = "off",
-                 compile_max_batch: int = DEFAULT_COMPILE_MAX_BATCH) -> None:
+                 compile_max_batch: int = DEFAULT_COMPILE_MAX_BATCH, compile_cache: str | None = None) -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -104,6 +104,7 @@ class EngineCore:
         # a compiled CPU decode step (engine.compiled_decode); quantized weights (fbgemm's packed int8) stay eager
         self.compile = resolve_compile(compile, model, self.device, self.dtype, quantize)
         self.compile_max_batch = min(compile_max_batch, n_slots)
+        self.compile_cache = compile_cache  # the compiled steps' folder (None: engine.compiled_decode's default)
         self._compiled = None  # the compiled decode steps in use (engine.compiled_decode), once checked
         self._compiling = None  # ... while their compile runs in the background
         if quantize != "none" or (prepack and self.device.type == "cpu"):
@@ -458,7 +459,8 @@ class EngineCore:
         background thread: the engine serves eagerly meanwhile and swaps the steps in at a step boundary."""
         from engine.compiled_decode import CompiledDecode
 
-        self._compiling = CompiledDecode(self.model, self.cache, self.compile_max_batch, sampler=self.sampler)
+        self._compiling = CompiledDecode(self.model, self.cache, self.compile_max_batch, sampler=self.sampler,
+                                         cache_dir=self.compile_cache)
         self._compiling.start()
         log.info("compiling the decode step (batches up to %d) in the background; decoding eagerly meanwhile",
                  self.compile_max_batch)

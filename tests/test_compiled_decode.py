@@ -76,7 +76,7 @@ def stand_in_compiler(monkeypatch, calls: list, shift: float = 0.0, error: Excep
 
 @pytest.fixture(autouse=True)
 def compile_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(cd.CACHE_ENV, str(tmp_path / "compiled"))
+    monkeypatch.setattr(cd, "default_cache_dir", lambda: tmp_path / "compiled")
     return tmp_path / "compiled"
 
 

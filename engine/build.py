@@ -146,8 +146,8 @@ def _as_loaded(checkpoint: str, dtype):
     from model.gpt import GPT
 
     elsize = torch.empty((), dtype=dtype).element_size()
-    with torch.device("meta"):  # the parameter count, without allocating it
-        return config, max(stored, GPT(config).num_params(non_embedding=False) * elsize)
+    # the parameter count, without allocating it
+    return config, max(stored, GPT.skeleton(config).num_params(non_embedding=False) * elsize)
 
 
 def draft_path(cfg: CoreConfig) -> str | None:

@@ -137,8 +137,7 @@ def plain_twin(model: GPT) -> GPT:
             for key, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
                 if t is not None:
                     state[prefix + key] = t
-    with torch.device("meta"):
-        twin = GPT(model.config)
+    twin = GPT.skeleton(model.config)
     twin.load_state_dict(state, strict=False, assign=True)
     missing = [n for n, t in list(twin.named_parameters()) + list(twin.named_buffers()) if t.is_meta]
     if missing:

@@ -111,8 +111,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
         quant = read_quantization(path)  # model/quantized_format.py's format: int8/int4 tensors stored
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    with torch.device("meta"):  # no time spent on a random init that is overwritten anyway
-        model = GPT(config)
+    model = GPT.skeleton(config)  # no time spent on a random init that is overwritten anyway
     if quant is not None:
         names = [n for n, *_ in block_linears(model)]
         try:

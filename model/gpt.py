@@ -111,13 +111,31 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied: P = softmax(h · W_eᵀ)
 
-        if self.lm_head.weight.device.type == "meta":  # loading: the weights come from a file (model/checkpoint.py)
-            return  # (a random init on the meta device costs ~19 ms a tensor through torch._refs: 3 s for GPT-2)
+        if self.lm_head.weight.device.type == "meta":  # a skeleton: the weights come from a file (`skeleton`)
+            return
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections by 1/sqrt(2 · n_layer)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @classmethod
+    def skeleton(cls, config: GPTConfig) -> GPT:
+        """The model's modules on the meta device, uninitialised: for tensors that come from a file
+        (`load_state_dict(assign=True)`) or to count them. PyTorch's layers fill their weights at random as they are
+        made, and the first random fill on the meta device imports torch's Python reference kernels: ~1.8 s of a
+        server's start-up, so the fills are skipped here (as transformers' `no_init_weights` does; not thread-safe:
+        `nn.init` is patched while the modules are made)."""
+        names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
+        saved = {name: getattr(nn.init, name) for name in names}
+        try:
+            for name in names:
+                setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+            with torch.device("meta"):
+                return cls(config)
+        finally:
+            for name, fn in saved.items():
+                setattr(nn.init, name, fn)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -165,6 +165,16 @@ def test_gpt2_preset_parameter_count():
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
+def test_a_skeleton_is_the_model_on_the_meta_device_and_leaves_the_initialisers_alone():
+    init = torch.nn.init.normal_
+    skeleton = GPT.skeleton(GPTConfig.preset("gpt2"))
+    assert skeleton.num_params() == 124_439_808 - 1024 * 768
+    assert all(p.is_meta for p in skeleton.parameters())
+    assert torch.nn.init.normal_ is init  # restored: a model made afterwards is initialised as before
+    torch.manual_seed(0)
+    assert tiny_model().lm_head.weight.std() > 0
+
+
 def test_padded_vocabulary_never_samples_a_padding_id():
     model = tiny_model(vocab_size=320)  # the byte tokenizer has 257 tokens; ids 257..319 are padding
     with torch.no_grad():

@@ -6,9 +6,11 @@
         for out in core.step():      # RequestOutput: new token ids, logprobs, finish or error kind
             ...
 
-It owns the scheduler (`engine.scheduler`), the KV cache, the sampler and the CUDA graphs, and runs vLLM V1's
-step: schedule → execute → update. Whoever drives it (the library's `generate`, the server's core process or
-its engine thread) reads the outputs, detokenizes them and calls `abort` when a stop string ends a request.
+It owns the scheduler (`engine.scheduler`) and runs vLLM V1's step: schedule → execute → update; the model, the
+KV cache, the sampler, the CUDA graphs and the compiled decode step sit behind its model runner
+(`engine.runner.ModelRunner`), which computes each step's forward passes and draws. Whoever drives the core (the
+library's `generate`, the server's core process or its engine thread) reads the outputs, detokenizes them and calls
+`abort` when a stop string ends a request.
 The sampling state of every slot lives on the model's device (`engine.sampler.Sampler`), and the noise of each
 token is a function of (seed, position, token id), so a seeded or greedy request gives the same tokens alone or
 batched.
@@ -41,21 +43,18 @@ import time
 import torch
 
 from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
-from engine.compiled_decode import one_line
-from engine.compiled_decode import resolve_mode as resolve_compile
-from engine.ops import Admit, Copy, Draw, Free, Idle, Move, Op, RowDraws
-from engine.params import SamplingParams, bad_token
+from engine.ops import Draw, RowDraws
+from engine.params import bad_token
 from engine.prompt_logprobs import PROMPT_LOGPROBS_PIECE, PromptScorer
 from engine.request import EngineRequest, ErrorKind, RequestOutput, check_context
-from engine.sampler import Sampler
+from engine.runner import ModelRunner, StepBatch
 from engine.scheduler import Scheduler, Step, finish_reason
-from engine.sizing import SizingError
 from engine.spec_decode import SpecConfig, Speculator
 from engine.spec_decode.config import VERIFY_POSITIONS
 from engine.structured_output import Grammars, Matchers
 from model.gpt import GPT
-from model.kv_cache import KVCache, device_index
-from model.linear import DEFAULT_INT4_GROUP, convert, drop_plain, tune, weight_bytes
+from model.kv_cache import device_index
+from model.linear import DEFAULT_INT4_GROUP
 
 log = logging.getLogger("engine.core")
 
@@ -73,6 +72,11 @@ def is_fatal_device_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and str(e).startswith(("CUDA error", "CUDA driver error"))
 
 
+def _runner_attr(name: str) -> property:
+    """EngineCore.<name>: the model runner's attribute, read through the core."""
+    return property(lambda self: getattr(self.runner, name), doc=f"ModelRunner.{name}")
+
+
 class EngineCore:
     def __init__(self, model: GPT, *, n_slots: int, vocab_size: int, eos_id: int | None = None,
                  max_len: int | None = None, prefill_chunk: int | None = None,
@@ -82,65 +86,53 @@ class EngineCore:
                  kv_dtype: torch.dtype | None = None, speculative: SpecConfig | None = None,
                  draft_model: GPT | None = None, compile: str = "off",
                  compile_max_batch: int = DEFAULT_COMPILE_MAX_BATCH, compile_cache: str | None = None) -> None:
-        self.model = model
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
-        self.max_len = max_len or model.config.block_size
-        self.n_slots = n_slots
-        self.kv_dtype = kv_dtype or self.dtype
-        try:
-            self.cache = KVCache(model.config, n_slots, self.max_len, dtype=self.kv_dtype, device=self.device)
-        except RuntimeError as e:  # out of memory (CPU allocator or CUDA)
-            raise SizingError(f"cannot allocate the KV cache ({n_slots} slots x {self.max_len} tokens): "
-                              f"{type(e).__name__}: {e}") from e
-        self.sampler = Sampler(n_slots, vocab_size, self.max_len, self.device, eos_id=eos_id)
-        if pad_vocab:  # the sampler then reads the logits in place, as whole blocks (a server owns its model;
-            model.pad_vocab(self.sampler.padded)  # the library leaves a caller's model as it is: it may train on)
-        # the weights' format (model.linear): a server swaps its Linears for one copy in the layout their kernel reads
-        # (prepack: oneDNN's blocked fp32/bf16 on a CPU; quantize: int8 / int4), after pad_vocab; the library leaves
-        # a caller's model as it is. The one-row kernel choice is timed here, at start-up, never on a request
-        self.weights = {"format": "none", "swapped": 0}
-        self.kernels: dict = {}
-        # a compiled CPU decode step (engine.compiled_decode); quantized weights (fbgemm's packed int8) stay eager
-        self.compile = resolve_compile(compile, model, self.device, self.dtype, quantize)
-        self.compile_max_batch = min(compile_max_batch, n_slots)
-        self.compile_cache = compile_cache  # the compiled steps' folder (None: engine.compiled_decode's default)
-        self._compiled = None  # the compiled decode steps in use (engine.compiled_decode), once checked
-        self._compiling = None  # ... while their compile runs in the background
-        if quantize != "none" or (prepack and self.device.type == "cpu"):
-            # the packed layers keep their plain weight until `tune` has copied the ones it gives MKL (no unpacking
-            # through a GEMM), and when compiling for good: the graph reads them (eager keeps its kernels)
-            self.weights = convert(model, quantize, int4_group, keep_plain=True)
-            if self.device.type == "cpu":
-                self.kernels = tune(model)
-            if self.compile != "on":  # compiling: until the compile has read them (_install_compiled)
-                drop_plain(model)
-        self.packed_layers = self.weights["swapped"] if self.weights["format"] == "none" else 0
-        self.weight_bytes = weight_bytes(model)
+        # the model and what computes with it: weights' format, KV cache, sampler, CUDA graphs, compiled step
+        self.runner = ModelRunner(model, n_slots=n_slots, vocab_size=vocab_size, eos_id=eos_id, max_len=max_len,
+                                  cuda_graphs=cuda_graphs, pad_vocab=pad_vocab, prepack=prepack, quantize=quantize,
+                                  int4_group=int4_group, kv_dtype=kv_dtype, compile=compile,
+                                  compile_max_batch=compile_max_batch, compile_cache=compile_cache)
         # prefix caching (engine.prefix_cache): off here; the server turns it on (GPT_PREFIX_CACHE)
         self.scheduler = Scheduler(n_slots, prefill_chunk, eos_id, prefix_cache=prefix_cache, min_prefix=min_prefix,
                                    idle_prefill_chunk=idle_prefill_chunk)
         self.tokenizer = tokenizer  # for grammars (structured output); None: requests with one are refused
         self._matchers: Matchers | None = None  # made with the first constrained request
-        # decode steps from CUDA graphs (engine.cuda_graphs): on by default on CUDA, captured at warm-up
-        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
-        self._graphed = None
-        self.warmup_error: str | None = None
-        self.compile_seconds: float | None = None  # the compiled decode step's start-up cost, once made
-        self.compile_source: str | None = None  # "compiled" or "cache" (engine.compiled_decode)
         self.fatal_error: str | None = None  # a step's device error that no later step survives (the loop stops)
         # counters (read by stats())
         self.decode_steps = 0
-        self.prefill_chunks = 0
-        self.prompt_tokens = 0  # computed (prefilled)
-        self.copied_tokens = 0  # KV entries copied between slots for prefix reuse
         self.generated_tokens = 0
         self.max_batch_seen = 0
         self.vocab_size = vocab_size
         # prompt log-probabilities of the requests that asked, from admission to their first output
         # (the piece size is read from this module when a core is made: tests set a smaller one here)
         self._scores = PromptScorer(vocab_size, piece=PROMPT_LOGPROBS_PIECE)
-        self.speculator = self._make_speculator(speculative, draft_model, prepack, quantize, int4_group)
+        self.speculator = self._make_speculator(speculative, draft_model)
+
+    # what the runner owns, read here as before (engine.build, the tests, the benchmarks)
+    model = _runner_attr("model")
+    device = _runner_attr("device")
+    dtype = _runner_attr("dtype")
+    max_len = _runner_attr("max_len")
+    n_slots = _runner_attr("n_slots")
+    kv_dtype = _runner_attr("kv_dtype")
+    cache = _runner_attr("cache")
+    sampler = _runner_attr("sampler")
+    weights = _runner_attr("weights")
+    kernels = _runner_attr("kernels")
+    packed_layers = _runner_attr("packed_layers")
+    weight_bytes = _runner_attr("weight_bytes")
+    cuda_graphs = _runner_attr("cuda_graphs")
+    compile = _runner_attr("compile")
+    compile_max_batch = _runner_attr("compile_max_batch")
+    compile_cache = _runner_attr("compile_cache")
+    compile_seconds = _runner_attr("compile_seconds")
+    compile_source = _runner_attr("compile_source")
+    warmup_error = _runner_attr("warmup_error")
+    prefill_chunks = _runner_attr("prefill_chunks")
+    prompt_tokens = _runner_attr("prompt_tokens")
+    copied_tokens = _runner_attr("copied_tokens")
+    _graphed = _runner_attr("_graphed")
+    _compiled = _runner_attr("_compiled")
+    _compiling = _runner_attr("_compiling")
 
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
@@ -212,8 +204,7 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        if self._compiling is not None and self._compiling.done:  # the background compile has finished
-            self._install_compiled()
+        self.runner.poll_compiled()  # the background compile may have finished: its steps go in between steps
         step = self.scheduler.schedule(time.monotonic())
         try:
             draws = self._execute(step)
@@ -225,32 +216,12 @@ class EngineCore:
         return self._outputs(self.scheduler.update(step, draws))
 
     def _execute(self, step: Step) -> list:
-        self._apply(step.ops)
+        """The runner computes the step (slot ops, prefill chunks, the plain decode step); the core adds the
+        grammar masks, and verifies the decoding rows' proposals when the step speculates."""
+        self.runner.apply(step.ops)
         masks = _StepMasks(self._matchers, step) if self._matchers else None
-        draws = []
-        for chunk in step.prefills:
-            slots = chunk.slots
-            if len(slots) == 1:
-                idx = self.sampler.prompt_slice(slots[0], chunk.start, chunk.start + chunk.n).view(1, -1)
-            else:  # the prompts are on the device already (written at admission)
-                idx = self.sampler.history[device_index(slots, self.device), chunk.start:chunk.start + chunk.n]
-            scoring = [i for i, r in enumerate(chunk.reqs) if r.request.prompt_logprobs is not None]
-            if scoring:  # the hidden states of every position, through the head in pieces
-                h = self.model.forward_cached(idx, self.cache, slots, hidden=True)
-                self._scores.score(chunk, h, scoring, self.model.head, self.sampler.history)
-                logits = self.model.head(h[:, -1]) if chunk.sampled else None
-            else:
-                logits = self.model.forward_cached(idx, self.cache, slots)
-            self.prefill_chunks += 1
-            self.prompt_tokens += chunk.n * len(slots)
-            rows = chunk.sampled
-            if rows:
-                mask = masks.next([chunk.reqs[i] for i in rows]) if masks else None
-                if len(rows) == len(slots):
-                    draws += self.sampler.step(logits, slots, mask)
-                else:  # some of the group only score their prompt
-                    draws += self.sampler.step(logits[device_index(rows, logits.device)],
-                                               [slots[i] for i in rows], mask)
+        batch = StepBatch(step, masks, self._scores)
+        draws = self.runner.prefill(batch)
         if step.decode:
             n = len(step.decode)
             self.max_batch_seen = max(self.max_batch_seen, n)
@@ -260,16 +231,7 @@ class EngineCore:
                 self.generated_tokens += sum(map(len, verified)) - n  # the tokens beyond a row's one (below)
                 draws += verified
             else:
-                graphed = self._graphed or self._compiled
-                kind = self.sampler.plain_kind(range(n)) if self._compiled and n <= self._compiled.max_batch else None
-                if kind is not None:  # the draw is inside the compiled step (engine/plain_draw.py)
-                    draws += self.sampler.take(range(n), *self._compiled.draw(self.sampler.last[:n], n, kind))
-                else:
-                    if graphed is not None and n <= graphed.max_batch:
-                        logits = graphed(self.sampler.last[:n], n)
-                    else:
-                        logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
-                    draws += self.sampler.step(logits, range(n), masks.next(step.decode) if masks else None)
+                draws += self.runner.decode(batch)
             self.decode_steps += 1
         self.generated_tokens += len(draws)
         if masks:
@@ -277,8 +239,7 @@ class EngineCore:
         return draws
 
     # ------------------------------------------------------------------ speculative decoding
-    def _make_speculator(self, config: SpecConfig | None, draft_model: GPT | None, prepack: bool, quantize: str,
-                         int4_group: int) -> Speculator | None:
+    def _make_speculator(self, config: SpecConfig | None, draft_model: GPT | None) -> Speculator | None:
         if config is None or not config.enabled:
             return None
         draft = None
@@ -287,11 +248,7 @@ class EngineCore:
 
             if draft_model is None:
                 raise ValueError("speculative method draft needs the draft model (draft_model)")
-            if quantize != "none" or (prepack and self.device.type == "cpu"):  # the draft in the target's format
-                convert(draft_model, quantize, int4_group, keep_plain=True)
-                if self.device.type == "cpu":
-                    tune(draft_model)
-                drop_plain(draft_model)
+            self.runner.convert_draft(draft_model)  # the draft in the target's format
             # its cache in the served cache's dtype: engine/sizing.py budgets a slot as the two KV slots in that dtype
             draft = DraftProposer(draft_model, self.n_slots, self.vocab_size, max_len=self.max_len,
                                   kv_dtype=self.kv_dtype, p_min=config.draft_p_min)
@@ -323,11 +280,8 @@ class EngineCore:
         after it is drawn and the accepted count is what is emitted. The slots keep the positions of the tokens
         emitted; the rest of the pass's entries lie past their lengths, to be overwritten."""
         n, spec = len(decode), self.speculator
-        T = 1 + max(len(p) for p in proposals)
-        idx = device_index([[0, *p] + [0] * (T - 1 - len(p)) for p in proposals], self.device)
-        idx[:, 0] = self.sampler.last[:n]
         before = list(self.cache.lengths[:n])
-        logits = self.model.forward_cached(idx, self.cache, range(n), all_logits=True)  # (n, T, V)
+        logits = self.runner.verify_logits(proposals)  # (n, T, V)
         spec.steps += 1
         out = [[d] for d in self.sampler.step(logits[:, 0], range(n), masks.next(decode) if masks else None)]
         matchers = self._matchers if masks else None
@@ -357,140 +311,18 @@ class EngineCore:
                 spec.observe(r.id, len(proposals[i]), len(out[i]) - 1)
         return out
 
-    def _apply(self, ops: list[Op]) -> None:
-        for op in ops:
-            match op:
-                case Admit(slot, req, keep):
-                    if keep:
-                        self.cache.truncate(slot, keep)
-                    else:
-                        self.cache.reset(slot)
-                    self.sampler.admit(slot, req.params, req.prompt, seed=req.seed, top_n=req.top_n,
-                                       constrained=req.structured is not None)
-                case Move(src, dst):
-                    self.cache.move(src, dst)
-                    self.sampler.move(src, dst)
-                case Copy(src, dst, n):
-                    self.cache.copy_prefix(src, dst, n)
-                    self.copied_tokens += n
-                case Idle(slot):  # the request left; its cache entries stay for prefix reuse
-                    self.sampler.release(slot)
-                case Free(slot):
-                    self.cache.reset(slot)
-                    self.sampler.release(slot)
-                case _:
-                    raise TypeError(f"not a slot operation: {op!r}")
-
     # ------------------------------------------------------------------ warm-up and stats
-    @torch.inference_mode()
     def warmup(self, graph_capture=None) -> None:
         """A short prefill, then a decode step and a sampled step over every slot, then the longest prefill a step
         makes, so first requests do not pay one-time costs (allocator growth, oneDNN primitive creation); CUDA
         graphs are captured here, last, over empty slots. `graph_capture` replaces the CUDA capture
         (engine.cuda_graphs.eager_capture: the same sequence on a CPU, for tests)."""
-        t0 = time.perf_counter()
-        n = self.n_slots
-        try:
-            if self.max_len >= 3:  # a 2-token prefill of every slot at once, then a sampled decode step
-                for s in range(n):
-                    self.sampler.admit(s, SamplingParams(temperature=1.0, top_p=0.9), [0, 0], seed=s)
-                logits = self.model.forward_cached(self.sampler.history[:n, :2], self.cache, range(n))
-                self.sampler.step(logits, range(n))
-                logits = self.model.forward_cached(self.sampler.last[:n, None], self.cache, range(n))
-                self.sampler.step(logits, range(n))
-                if self.device.type == "cpu":  # one row alone: a CPU picks its one-row matmul library per weight
-                    # here (model.gpt.linear), not during the first request
-                    self.model.forward_cached(self.sampler.last[:1, None], self.cache, range(1))
-                spec = self.speculator
-                if spec is not None and self.max_len >= spec.config.k + 4:  # a verification pass's shape (one row,
-                    # 1 + k positions, under a mask) and the draft's passes, before the first request needs them
-                    k = spec.config.k
-                    self.model.forward_cached(self.sampler.last[:1, None].expand(1, k + 1).contiguous(), self.cache,
-                                              range(1), all_logits=True)
-                    if spec.draft is not None:
-                        spec.draft.propose([("warm-up", [0, 0], k)])
-                        spec.draft.drop("warm-up")
-                # the longest prompt one step prefills, once (vLLM's start-up profile run does the same): the heap
-                # grows to it here, not during the first long request (the core process keeps freed memory,
-                # engine/core_process.py). GPT-2 124M, 2 CPU cores: +0.6 s of start-up; a fresh server's first
-                # distinct 512-token prompt 294-350 ms against ~300-320 for those after it (372-429 ms before)
-                longest = min(self.max_len, self.scheduler.idle_prefill_chunk or self.max_len)
-                if longest > 2:
-                    self.cache.reset(0)
-                    self.model.forward_cached(torch.zeros(1, longest, dtype=torch.long, device=self.device),
-                                              self.cache, [0])
-            if self.cuda_graphs or self.compile == "on":  # on empty slots: slot 0 may now hold the whole
-                for s in range(n):  # context, and a captured step writes at each slot's length
-                    self.cache.reset(s)
-            if self.cuda_graphs:
-                self._capture_graphs(graph_capture)
-            if self.compile == "on":
-                self._compile_decode()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            log.info("warm-up done in %.0f ms", (time.perf_counter() - t0) * 1000)
-        except Exception as e:
-            self.warmup_error = f"warm-up generation failed: {type(e).__name__}: {e}"
-            log.error(self.warmup_error)
-        finally:
-            for s in range(n):
-                self.cache.reset(s)
-                self.sampler.release(s)
-
-    def _capture_graphs(self, capture=None) -> None:
-        """Capture the decode step per (batch, context) bucket; keep the graphs only if a replay equals eager
-        decoding."""
-        try:
-            from engine.cuda_graphs import GraphedDecode
-
-            graphed = GraphedDecode(self.model, self.cache, self.n_slots, capture=capture)
-            graphed.capture_all()
-            if graphed.check(self.n_slots):
-                self._graphed = graphed
-                log.info("decode steps run from CUDA graphs (%d batch x %d context buckets)", len(graphed.buckets),
-                         len(graphed.contexts))
-            else:
-                log.warning("CUDA graph replay differs from eager decoding; decoding eagerly")
-        except Exception as e:  # a capture that fails costs speed, never the server
-            log.warning("CUDA graphs unavailable (%s: %s); decoding eagerly", type(e).__name__, e)
-
-    def _compile_decode(self) -> None:
-        """Start compiling the decode step of the small batch buckets on a CPU (engine.compiled_decode), in a
-        background thread: the engine serves eagerly meanwhile and swaps the steps in at a step boundary."""
-        from engine.compiled_decode import CompiledDecode
-
-        self._compiling = CompiledDecode(self.model, self.cache, self.compile_max_batch, sampler=self.sampler,
-                                         cache_dir=self.compile_cache)
-        self._compiling.start()
-        log.info("compiling the decode step (batches up to %d) in the background; decoding eagerly meanwhile",
-                 self.compile_max_batch)
+        self.runner.warmup(graph_capture, speculator=self.speculator,
+                           longest_prefill=self.scheduler.idle_prefill_chunk)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for the background compile and install its steps (tests, benchmarks); True when they are in use."""
-        if self._compiling is not None and self._compiling.wait(timeout):
-            self._install_compiled()
-        return self._compiled is not None
-
-    def _install_compiled(self) -> None:
-        """Use the compiled steps if their replay equals the eager step on the live cache; else one log line."""
-        compiled, self._compiling = self._compiling, None
-        self.compile_seconds, self.compile_source = compiled.seconds, compiled.source
-        drop_plain(self.model)  # the compile has read the plain weights (or failed): eager steps never do
-        try:
-            same = compiled.error is None and compiled.check()
-        except Exception as e:  # noqa: BLE001 - a failing check costs speed, never the engine
-            compiled.error = one_line(e)
-            same = False
-        if compiled.error is not None:
-            log.warning("decode step not compiled (%s); decoding eagerly", compiled.error)
-        elif not same:
-            log.warning("the compiled decode step differs from eager decoding; decoding eagerly")
-        else:
-            self._compiled = compiled
-            log.info("decode steps up to %d rows %s in %.1f s (%d batch x %d context buckets x %d kinds: %s)",
-                     compiled.max_batch, "loaded from the compile cache" if compiled.source == "cache" else
-                     "compiled ahead of time by AOTInductor", compiled.seconds, len(compiled.buckets),
-                     len(compiled.contexts), len(compiled.kinds), compiled.folder)
+        return self.runner.wait_compiled(timeout)
 
     def stats(self) -> dict:
         s = self.scheduler

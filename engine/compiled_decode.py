@@ -15,7 +15,7 @@ evaluation and AOT autograd's runtime wrappers, ~40% of the bundled model's comp
   packed layers keep until the compile is over, `model.linear.drop_plain`); the engine's own modules stay as they
   are and its eager steps keep oneDNN's kernels.
 - **In a background thread** while the engine serves eagerly; the engine swaps the steps in at a step boundary
-  once a replay equals the eager step on the live cache (`EngineCore._install_compiled`). Start-up never waits.
+  once a replay equals the eager step on the live cache (`ModelRunner._install_compiled`). Start-up never waits.
 - **Cached on disk** (`cache_dir`: the server's `GPT_COMPILE_CACHE`, default ~/.cache/gpt-serve/compiled), a
   folder per key: the weights' bytes, the buckets, this CPU's flags, the torch threads, torch's version and the
   source of the code traced.

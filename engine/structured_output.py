@@ -8,20 +8,18 @@ choice of strings). Pure of HTTP; the shape of vLLM V1's `vllm/v1/structured_out
 
 The library is **llguidance** (https://github.com/guidance-ai/llguidance), chosen over xgrammar and outlines-core
 on our own tokenizers (the bundled model's 2,048-token BPE and GPT-2's r50k_base, both tiktoken byte-level BPE)
-with `python -m bench.structured_libs` (bench/results/structured-libs.json; 1 thread, this repo's CPU machine):
+with `python -m bench.structured_libs` (bench/results/structured-libs.json; the timings are in docs/performance.md):
 - tokenizers: all three take ours. llguidance builds its tokenizer from the tiktoken Encoding itself
-  (`llguidance.tiktoken`, 0.13 s for GPT-2's); xgrammar from the raw bytes of every token (0.03 s); outlines-core
-  from a bytes → ids map (0.2 s).
+  (`llguidance.tiktoken`); xgrammar from the raw bytes of every token; outlines-core from a bytes → ids map.
 - coverage: JSON schema in llguidance and xgrammar (objects, arrays, enums, nested, `pattern`, numeric bounds,
   string lengths, `$ref`, anyOf), regex, and a grammar (llguidance: Lark, and GBNF through its converter;
   xgrammar: EBNF and Lark); outlines-core has JSON schema and regex only, and its index over the vocabulary
-  is slow to build (0.6 s for the ~10-field schema on GPT-2's vocabulary, 5 s for "any JSON object").
-- compile: llguidance builds its lexer lazily, a schema "compiles" in under 1 ms (then 7 µs: a warm template is
-  copied); xgrammar precomputes masks per grammar state: 55-400 ms per schema on GPT-2's vocabulary.
-- per-token mask, GPT-2's vocabulary, mean over a document of the ~10-field schema: llguidance 52 µs (p99
-  0.46 ms), xgrammar 219 µs (p50 2 µs, but 2-3.6 ms per token inside strings with a maxLength, the strings a
-  small model needs bounded). With GPT-2's vocabulary and 64 constrained rows the mask is the whole cost, so
-  the bounded worst case decided it; on the 2,048-token vocabulary both are ~10 µs.
+  is slow to build.
+- compile: llguidance builds its lexer lazily, so a schema "compiles" at once; xgrammar precomputes masks per
+  grammar state, which takes long on GPT-2's vocabulary.
+- per-token mask: with GPT-2's vocabulary and 64 constrained rows the mask is the whole cost, and xgrammar's is
+  slow inside strings with a maxLength (the strings a small model needs bounded), so llguidance's bounded worst
+  case decided it; on the 2,048-token vocabulary both are fast.
 The library's masks are computed without the GIL, in parallel over the batch (`LLExecutor`) where there are
 cores to spare.
 

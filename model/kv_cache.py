@@ -52,11 +52,9 @@ class KVCache:
             raise ValueError(f"n_slots must be positive, got {n_slots}")
         self.n_slots, self.max_len = n_slots, max_len
         shape = (n_slots, config.n_head, max_len, config.head_dim)
-        # written at allocation (resident from start-up): a lazily touched anonymous mapping kept an idle server's
-        # cache out of memory but decoded 16 streams ~7% slower (GPT-2 124M in-process, 2026-11-25: 311-332 vs
-        # 346-353 tok/s; reads of never-written pages go through the kernel's zero page), and one marked
-        # MADV_HUGEPAGE as well (449/451 vs 419/418 tok/s; docs/performance.md). GPT_KV_CACHE_MEMORY and
-        # GPT_KV_CACHE_DTYPE bound it instead
+        # written at allocation (resident from start-up): a lazily touched mapping, with or without huge pages, kept
+        # an idle server's cache out of memory but decoded slower (reads of never-written pages go through the
+        # kernel's zero page; docs/performance.md has the runs). GPT_KV_CACHE_MEMORY and GPT_KV_CACHE_DTYPE bound it
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         # Tokens held per slot. Plain ints: the scheduler reads them every step and
@@ -221,15 +219,15 @@ class CacheStep:
         A 16-bit cache on a CPU: rows of different lengths attend one call each, over just their own keys (the mask
         only where a row adds several tokens). PyTorch's CPU attention splits the keys into blocks by their count
         (512 at most, else all of them), so one padded call over the batch's longest row rounds a row differently
-        from that row alone, and in bf16 that flipped seeded tokens of a request batched with others (random GPT-2
-        124M, 8 requests of 60 tokens: 3 differed from the same request alone). One call per row gives a row the
-        result it gets alone, and skips the padding: bf16 decode steps at 16 / 64 rows were 12-25% faster
-        (docs/performance.md). In fp32 the rounding is ~1e-7 and the per-row calls were 3-9% slower at 16 rows,
-        so fp32, like CUDA (and the static shapes of CUDA graphs), makes one masked call."""
+        from that row alone, and in bf16 that flipped seeded tokens of a request batched with others. One call per
+        row gives a row the result it gets alone, and skips the padding, which made bf16 decode steps faster from
+        16 rows. In fp32 the rounding is ~1e-7 and the per-row calls were slower, so fp32, like CUDA (and the
+        static shapes of CUDA graphs), makes one masked call. (docs/performance.md, "bf16 batch invariance", has
+        the runs.)"""
         if q.device.type == "cpu" and q.size(2) == 1 and self.mask is not None and torch.compiler.is_dynamo_compiling():
             # a compiled CPU decode step (engine/compiled_decode.py): written out, inductor fuses one query's
-            # attention into its own loops; the SDPA kernel's per-call cost was 12% of the bundled model's compiled
-            # step (docs/performance.md, "Sampling inside the compiled step")
+            # attention into its own loops, without the SDPA kernel's per-call cost (docs/performance.md, "Decode
+            # steps compiled ahead of time")
             scores = (q @ k.transpose(-1, -2)) * (q.size(-1) ** -0.5)
             scores = scores.masked_fill(~self.mask, float("-inf"))
             return torch.softmax(scores.float(), -1).to(v.dtype) @ v

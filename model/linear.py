@@ -7,30 +7,17 @@ the layout its kernel reads (gpt-fast's quantize.py: `WeightOnlyInt8Linear` swap
 - `PackedLinear`  fp32 or bf16 on a CPU whose oneDNN packs that dtype (`model.cpu_support`: bf16 needs AVX-512 or
                   AVX-NE-CONVERT; elsewhere the plain nn.Linear stays, through F.linear): the weight in oneDNN's
                   blocked layout (the plain copy is freed). oneDNN
-                  reordered a plain weight on every batched call; the packed copy saves that (batch 16 decode step
-                  51 -> 44 ms on 2 Xeon cores).
+                  reordered a plain weight on every batched call; the packed copy saves that (docs/performance.md).
 - `Int8Linear`    int8 per output channel (symmetric, scale = max|w| / 127). On a CPU with fbgemm (x86), the weight
                   goes to fbgemm's packed int8 layout and activations are quantized per call (dynamic W8A8, as
                   llama.cpp's q8_0 dot product quantizes its activations); elsewhere the weight-only kernel.
 - `Int4Linear`    int4 in groups along the input (asymmetric: scale and zero point per group of 32-256), through
                   PyTorch's `_weight_int4pack_mm_for_cpu` (bf16 activations) or `_weight_int4pack_mm` on CUDA.
 
-Measured on a 2-vCPU AMD EPYC (Zen 4: AVX-512, avx512_bf16, VNNI; no AMX), 2 threads, idle, 2026-11-25: GPT-2
-124M's 48 block matmuls cycling through their weights as decode does, medians of 7, ms (`bench/kernels.py`):
-
-    rows                            1      2      4     16     64
-    fp32 MKL, plain weight       24.3   45.0   36.9   43.3   96.8
-    fp32 MKL, column-major       19.6   31.9   43.1   50.5  103.4
-    fp32 oneDNN, packed          14.8   17.6   14.4   18.8   55.2
-    bf16 oneDNN, packed           7.7    8.8    7.9   10.6   29.6
-    int8 weight-only (bf16 x)     5.8    7.2    8.2   27.1   81.2
-    int8 fbgemm dynamic W8A8      4.2    4.1    4.0    7.1   17.8
-    int4 g128 (bf16 x)            2.6    3.3    4.6   16.8   66.3
-    int4 g128 (fp32 x)           73.8  154.9  303.3 1196   4784
-
-So on this CPU oneDNN's packed copy beats MKL at every row count (a column-major copy for MKL's GEMV, which an
-Intel Xeon ran ~10% faster at one row, is made only where `tune` measures it faster: one copy by default), the
-int8 kernel is fbgemm's at every row count, and int4 is fastest up to a few rows but slower than int8 from ~8 rows.
+Measured with `bench/kernels.py` (the table is in docs/performance.md): on an AVX-512 CPU oneDNN's packed copy
+beats MKL at every row count (a column-major copy for MKL's GEMV, which an Intel Xeon ran faster at one row, is
+made only where `tune` measures it faster: one copy by default), the int8 kernel is fbgemm's at every row count,
+and int4 is fastest up to a few rows but slower than int8 from ~8 rows.
 `tune(model)` times the small-row choice per weight shape at warm-up (the engine's), never on a request.
 
 The tied output head / embedding: quantized formats keep it in int8 per row (one int8 table: the embedding reads
@@ -55,7 +42,7 @@ from model import cpu_support
 
 FORMATS = ("none", "int8", "int4")
 INT4_GROUPS = (32, 64, 128, 256)
-DEFAULT_INT4_GROUP = 32  # llama.cpp's q4_0 block; 128 measured ~10% faster at one row (bench/kernels.py)
+DEFAULT_INT4_GROUP = 32  # llama.cpp's q4_0 block; 128 measured faster at one row (docs/performance.md)
 
 
 class FormatError(ValueError):
@@ -72,9 +59,9 @@ def _onednn_linear_op():
         return None
 
 
-# On CPU, fp32 nn.Linear goes to MKL, whose GEMV on AMD machines uses one core (GPT-2 124M's 49 batch-1 matmuls:
-# 36.8 ms, 13.6 GB/s) and whose small-batch GEMM is slow; oneDNN's inner product reads the same (out, in) weights,
-# no copy, over both threads (21.4 ms). It has no autograd formula, so it serves only passes that need no gradient.
+# On CPU, fp32 nn.Linear goes to MKL, whose GEMV on AMD machines uses one core and whose small-batch GEMM is slow;
+# oneDNN's inner product reads the same (out, in) weights, no copy, over both threads (docs/performance.md). It has
+# no autograd formula, so it serves only passes that need no gradient.
 ONEDNN_LINEAR = _onednn_linear_op()
 log = logging.getLogger(__name__)
 
@@ -414,8 +401,7 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
             swapped += 1
     if fmt == "none" and swapped and hasattr(model, "lm_head") and type(model.lm_head) is nn.Linear:
         # the tied head gets its own packed copy (the embedding keeps reading the plain rows): through the plain
-        # weight oneDNN reorders 50k x 768 on every call. GPT-2 124M through the server, fp32, against the three
-        # copies before (same run): batch 1 -6%, 16 streams -8% without it
+        # weight oneDNN reorders 50k x 768 on every call (docs/performance.md has what that cost)
         model.lm_head = PackedLinear(model.lm_head, keep_plain)
     if fmt != "none":
         wte = model.transformer.wte

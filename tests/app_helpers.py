@@ -1,6 +1,6 @@
 """Plain helpers for the app and engine tests (no tests and no fixtures here; the tiny checkpoint is a fixture in
 tests/conftest.py): app factories, a live uvicorn server on 127.0.0.1 in a background thread, `python -m app` as a
-subprocess, SSE parsing and the library's solo reference."""
+subprocess, SSE parsing, the library's solo reference, and the error-shape check the test_app* files share."""
 
 from __future__ import annotations
 
@@ -188,3 +188,38 @@ def start_app_process(ckpt: Path, *flags: str, env: dict | None = None) -> tuple
         proc.wait()
         raise
     return proc, url
+
+
+# ------------------------------------------------------------------------------------------ the test_app* files
+def engine_of(client):
+    return client.app.state.service.engine
+
+
+def assert_error(r, status: int | None = None, field: str | None = None, error_type: str | None = None):
+    """A 4xx in the route's own shape: TGI's {"error", "error_type"}, or on /v1/* OpenAI's
+    {"error": {"message", "type", "param", "code"}} (where a 422 becomes OpenAI's 400), naming `field`."""
+    assert r.status_code != 500, r.text
+    openai = r.request.url.path.startswith(("/v1/", "/tokenize", "/detokenize"))
+    if openai and status == 422:
+        status = 400
+    if status is not None:
+        assert r.status_code == status, (r.status_code, r.text)
+    else:
+        assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    body = r.json()
+    if openai:
+        err = body.get("error")
+        assert isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}, body
+        assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str), body
+        message, kind = err["message"], err["code"]
+        if field is not None and field != "body" and err["code"] == "validation":
+            assert err["param"] == field or (err["param"] or "").startswith(field + "."), body
+    else:
+        message, kind = body.get("error"), body.get("error_type")
+        assert isinstance(message, str) and message, body
+        assert isinstance(kind, str) and kind, body
+    if field is not None:
+        assert message.startswith(field) or f"{field}" in message, body
+    if error_type is not None:
+        assert kind == error_type, body
+    return body

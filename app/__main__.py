@@ -18,8 +18,7 @@ import typing
 from app import __version__
 from app.config import Settings, SettingsError, load_settings
 from app.serve import serve
-from app.service import CoreHandle, StartupError, load_model
-from engine.build import CoreConfig
+from app.service import StartupError, start_engine
 
 log = logging.getLogger("app")
 
@@ -93,12 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    loaded = core = None
     try:
-        if settings.engine == "thread":
-            loaded = load_model(CoreConfig.from_settings(settings))
-        else:
-            core = CoreHandle.start(settings)
+        loaded, core = start_engine(settings)
     except StartupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

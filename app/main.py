@@ -14,20 +14,15 @@ import sys
 
 from app.config import SettingsError, load_settings
 from app.server import create_app
-from app.service import CoreHandle, StartupError, load_model
-from engine.build import CoreConfig
+from app.service import StartupError, start_engine
 
 try:
     settings = load_settings()
 except SettingsError as e:  # one line, no traceback; uvicorn exits non-zero
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
-loaded = core = None
 try:
-    if settings.engine == "thread":
-        loaded = load_model(CoreConfig.from_settings(settings))
-    else:
-        core = CoreHandle.start(settings)
+    loaded, core = start_engine(settings)
 except StartupError as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(1) from None

@@ -34,7 +34,7 @@ from model.checkpoint import CheckpointError, read_checkpoint
 
 log = logging.getLogger("app")
 
-__all__ = ["CoreHandle", "Service", "StartupError", "get_service", "lifespan", "load_model"]
+__all__ = ["CoreHandle", "Service", "StartupError", "get_service", "lifespan", "load_model", "start_engine"]
 
 
 @dataclass
@@ -54,6 +54,14 @@ class CoreHandle:
         proc.start()
         info = proc.wait_loaded()
         return cls(proc.address, proc.pid, info, proc)
+
+
+def start_engine(settings: Settings) -> tuple[Any, CoreHandle | None]:
+    """(Blocking.) Before the port opens: the model loaded here (GPT_ENGINE=thread) or the engine core's process
+    started and loaded, as (loaded, core) for `create_app`; StartupError with a one-line reason otherwise."""
+    if settings.engine == "thread":
+        return load_model(CoreConfig.from_settings(settings)), None
+    return None, CoreHandle.start(settings)
 
 
 class Service:

@@ -84,7 +84,9 @@ class Sequence:
 
     @property
     def text(self) -> str:
-        return "".join(e.text for e in self.events if not e.special)
+        # an EOS event's text is what a stop string or an unfinished character held back until then (the EOS
+        # token itself adds none, see append): it belongs to the text as it did to the stream
+        return "".join(e.text for e in self.events)
 
     def append(self, token_id: int, logprob: float, finish: FinishReason | None = None) -> TokenEvent:
         """Record a token from the core (`finish`: the core ended the request with it: EOS, LENGTH, or STOP for a

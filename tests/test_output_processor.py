@@ -125,9 +125,7 @@ def test_eos_releases_held_text_on_its_special_token(front):
     assert b.finished.finish_reason == FinishReason.EOS and b.finished.generated_tokens == 2
 
 
-@pytest.mark.xfail(strict=True, reason="Sequence.text leaves out special events' text, and the EOS event carries "
-                                       "the text a stop string held back: the whole text lacks what was streamed")
-def test_the_whole_text_at_eos_includes_what_a_stop_string_held_back(front):
+def test_the_whole_text_at_eos_includes_what_a_stop_string_held_back(front):  # the EOS event carries it
     st = front.add(stop=["the end"])
     front.proc.process([out("r", [THE, EOT], FinishReason.EOS)])
     assert drain(st)[-1].finished.text == "the"

@@ -59,6 +59,7 @@ AUTO_MAX_BLOCK_PARAMS = 16_000_000
 # max_autotune choosing between aten's GEMM and inductor's C++ micro-kernel per shape
 CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 DEFAULT_MAX_BATCH = 1
+NICE = 19  # the background compile's thread priority: idle CPU only
 # the code a package was traced from: a change to any of these files makes new packages
 TRACED = ("engine/compiled_decode.py", "engine/plain_draw.py", "engine/sampler/noise.py", "engine/sampler/sampler.py",
           "model/gpt.py", "model/kv_cache.py", "model/linear.py")
@@ -209,6 +210,10 @@ class CompiledDecode:
     def _compile_all(self) -> None:
         t0 = time.perf_counter()
         torch.set_num_threads(self._threads)  # a new thread starts with every core
+        try:  # the compile takes what serving leaves: Linux gives each thread (and the compilers it starts) its own
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)  # nice value; a first compile of the
+        except (AttributeError, OSError):  # 4 packages runs for minutes (docs/performance.md)
+            pass
         try:
             self.compile_all()
         except Exception as e:  # noqa: BLE001 - export / inductor raise many kinds; the engine stays eager

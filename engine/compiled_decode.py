@@ -59,7 +59,6 @@ AUTO_MAX_BLOCK_PARAMS = 16_000_000
 # max_autotune choosing between aten's GEMM and inductor's C++ micro-kernel per shape
 CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 DEFAULT_MAX_BATCH = 1
-NICE = 19  # the background compile's thread priority: idle CPU only
 # the code a package was traced from: a change to any of these files makes new packages
 TRACED = ("engine/compiled_decode.py", "engine/plain_draw.py", "engine/sampler/noise.py", "engine/sampler/sampler.py",
           "model/gpt.py", "model/kv_cache.py", "model/linear.py")
@@ -68,6 +67,20 @@ TRACED = ("engine/compiled_decode.py", "engine/plain_draw.py", "engine/sampler/n
 def one_line(e: BaseException) -> str:
     """An exception as the one log line a failed compile or check gets (inductor's messages run to pages)."""
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def idle_priority() -> None:
+    """This thread, and the compilers it starts, run only on CPU time serving leaves: Linux schedules each thread
+    (SCHED_IDLE, else nice 19) on its own. A first compile of the 4 packages runs for minutes; at normal priority it
+    made 16 / 64 streams up to 2x slower meanwhile (docs/performance.md). Elsewhere: unchanged."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+        except (AttributeError, OSError):
+            pass
 
 
 def default_cache_dir() -> Path:
@@ -210,10 +223,7 @@ class CompiledDecode:
     def _compile_all(self) -> None:
         t0 = time.perf_counter()
         torch.set_num_threads(self._threads)  # a new thread starts with every core
-        try:  # the compile takes what serving leaves: Linux gives each thread (and the compilers it starts) its own
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)  # nice value; a first compile of the
-        except (AttributeError, OSError):  # 4 packages runs for minutes (docs/performance.md)
-            pass
+        idle_priority()
         try:
             self.compile_all()
         except Exception as e:  # noqa: BLE001 - export / inductor raise many kinds; the engine stays eager

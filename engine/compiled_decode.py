@@ -269,7 +269,14 @@ class CompiledDecode:
                             one_line(e))
                 self.steps.clear()
                 shutil.rmtree(folder, ignore_errors=True)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryDirectory(dir=self.cache_dir).cleanup()  # writable?
+        except OSError as e:  # a read-only home (a container's user): compile for this process only
+            log.warning("compile cache %s is not writable (%s); the compiled steps are kept for this process only",
+                        self.cache_dir, one_line(e))
+            self.cache_dir = Path(tempfile.mkdtemp(prefix="gpt-serve-compiled-"))
+            folder = self.folder = self.cache_dir / folder.name
         twin = plain_twin(self.model)
         with tempfile.TemporaryDirectory(dir=self.cache_dir) as tmp:
             for (b, ctx, kind), name in names.items():

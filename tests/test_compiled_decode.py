@@ -202,3 +202,16 @@ def test_a_restart_loads_the_compiled_steps_from_the_cache_keyed_by_what_they_de
     core.warmup()
     core.wait_compiled(60)
     assert len(builds) == 16 and len(list(compile_cache.iterdir())) == 3
+
+
+def test_an_unwritable_compile_cache_compiles_for_the_process_with_one_log_line(monkeypatch, caplog, tmp_path):
+    stand_in_compiler(monkeypatch, [])
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setattr(cd, "default_cache_dir", lambda: blocked / "compiled")
+    with caplog.at_level(logging.WARNING, logger="engine.compiled_decode"):
+        core = make_core("on")
+    assert core.stats()["compiled_decode"] and core.stats()["compile_source"] == "compiled"
+    lines = [r.getMessage() for r in caplog.records if "not writable" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(f"compile cache {blocked / 'compiled'} is not writable")
+    assert run(core, together=False) == run(make_core("off"), together=False)

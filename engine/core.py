@@ -261,6 +261,11 @@ class EngineCore:
         spec = self.speculator
         if spec is None or len(decode) > spec.config.max_batch or not any(r.id in spec for r in decode):
             return None
+        if self._compiled is not None and len(decode) <= self._compiled.max_batch:
+            # the verification pass is eager, ~4x a compiled step: on the copy workload made for speculation it cost
+            # more than it saved (docs/performance.md, "Decode steps compiled ahead of time"); a compiled verify pass
+            # would let it pay again
+            return None
         lengths = self.cache.lengths
         per_row = max(1, VERIFY_POSITIONS // len(decode) - 1)
         limits = [min(r.request.params.max_new_tokens - r.generated - 1, self.max_len - lengths[i] - 1, per_row)

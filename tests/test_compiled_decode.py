@@ -215,3 +215,22 @@ def test_an_unwritable_compile_cache_compiles_for_the_process_with_one_log_line(
     lines = [r.getMessage() for r in caplog.records if "not writable" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith(f"compile cache {blocked / 'compiled'} is not writable")
     assert run(core, together=False) == run(make_core("off"), together=False)
+
+
+def test_speculation_pauses_on_the_batches_the_compiled_step_serves(monkeypatch):
+    from engine.spec_decode import parse_speculative
+
+    calls: list = []
+    stand_in_compiler(monkeypatch, calls)
+    spec = make_core("on", speculative=parse_speculative("ngram"))
+    plain = make_core("off")
+    made = len(calls)  # the install's check called every kind once
+    prompt = [5, 6, 7, 8] * 6  # a repeating prompt: the n-gram proposer has something to propose
+    out = {}
+    for name, core in (("spec", spec), ("plain", plain)):
+        core.add(EngineRequest(name, prompt, SamplingParams(max_new_tokens=20, temperature=0.0), seed=1))
+        while core.has_work():
+            for o in core.step():
+                out.setdefault(name, []).extend(o.token_ids)
+    assert spec.stats()["speculative"]["verify_steps"] == 0  # its eager verify pass costs more than it saves
+    assert {kind for _, kind in calls[made:]} == {"greedy"} and out["spec"] == out["plain"]

@@ -75,7 +75,10 @@ def in_process(checkpoint: str, quantize: str, compile: str, threads: int, token
     for name, params in (("greedy", SamplingParams(max_new_tokens=tokens, temperature=0.0, stop_at_eos=False)),
                          ("sampled_t1", SamplingParams(max_new_tokens=tokens, temperature=1.0, stop_at_eos=False)),
                          ("sampled", SamplingParams(max_new_tokens=tokens, temperature=0.8, top_p=0.95,
-                                                    stop_at_eos=False))):
+                                                    stop_at_eos=False)),
+                         # llama.cpp's sampling defaults (temperature 0.8, top-k 40, top-p 0.95)
+                         ("sampled_top_k", SamplingParams(max_new_tokens=tokens, temperature=0.8, top_k=40, top_p=0.95,
+                                                          stop_at_eos=False))):
         core.add(EngineRequest(name, list(range(10, 42)), params, seed=1))
         steps: list[float] = []
         forward.clear()
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                 rec["http"]["overhead_ms"] = round(rec["http"]["token_gap_ms"] - rec["greedy"]["step"], 3)
             rounds[m].append(rec)
             print(f"round {r} compile={m}: greedy {rec['greedy']} T=1 {rec['sampled_t1']['step']} ms, T=0.8 "
-                  f"top-p 0.95 {rec['sampled']['step']} ms "
+                  f"top-p 0.95 {rec['sampled']['step']} ms, + top-k 40 {rec['sampled_top_k']['step']} ms "
                   f"profile {rec['profile_ms_per_step']} http {rec.get('http')}", flush=True)
     data = {"env": env_info(), "checkpoint": checkpoint, "quantize": args.quantize, "threads": args.threads,
             "tokens": args.tokens, "rounds": rounds}

@@ -61,6 +61,7 @@ CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backen
 DEFAULT_MAX_BATCH = 1
 # the code a package was traced from: a change to any of these files makes new packages
 TRACED = ("engine/compiled_decode.py", "engine/plain_draw.py", "engine/sampler/noise.py", "engine/sampler/sampler.py",
+          "engine/sampler/top_p.py", "engine/sampler/draw.py",
           "model/gpt.py", "model/kv_cache.py", "model/linear.py")
 
 
@@ -116,9 +117,10 @@ class _SlotsView:
 
 class Step(nn.Module):
     """One bucket's decode step as a module for torch.export. Its inputs, in order (`CompiledDecode.inputs`): the
-    tokens (b, 1), the cache lengths (b,), the draw's 1/T, seed keys, history and prompt lengths (b,) each, then
-    every layer's keys and values (b, H, max_len, D); the keys and values at each row's length are written in
-    place. Output: logits (b, vocab), or with a plain `kind` the (token, logprob) drawn."""
+    tokens (b, 1), the cache lengths (b,), the draw's 1/T, top-k, top-p, seed keys, history and prompt lengths (b,),
+    then every layer's keys and values (b, H, max_len, D); the keys and values at each row's length are written in
+    place. Output: logits (b, vocab), or with a plain `kind` what `plain_draw` returns (the token and logprob
+    drawn, and for a sampled kind top-p's check and its redraw's inputs)."""
 
     def __init__(self, model: GPT, max_len: int, kv_len: int, kind: Kind | None, vocab: int, block: int) -> None:
         super().__init__()
@@ -126,13 +128,14 @@ class Step(nn.Module):
             vocab, block
         self.register_buffer("arange", torch.arange(max_len), persistent=False)
 
-    def forward(self, tokens, lengths_t, inv_temp, seed_key, length, prompt_len, *kv):
+    def forward(self, tokens, lengths_t, inv_temp, top_k, top_p, seed_key, length, prompt_len, *kv):
         n = len(kv) // 2
         slots = _SlotsView(list(kv[:n]), list(kv[n:]), lengths_t, self.arange, self.max_len)
         logits = self.model.decode_static(tokens, slots, self.kv_len)
         if self.kind is None:
             return logits
-        return plain_draw(logits, self.vocab, self.block, self.kind, inv_temp, seed_key, length - prompt_len)
+        return plain_draw(logits, self.vocab, self.block, self.kind, inv_temp, top_k, top_p, seed_key,
+                          length - prompt_len)
 
 
 def plain_twin(model: GPT) -> GPT:
@@ -195,8 +198,8 @@ class CompiledDecode:
         self.cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
         self.tokens = torch.zeros(max_batch, 1, dtype=torch.long, device=cache.device)
         # the draw's inputs when there is no sampler (a logits-only step ignores them)
-        self._no_draw = [torch.zeros(max_batch, dtype=dt) for dt in (torch.float32, torch.long, torch.long,
-                                                                      torch.long)]
+        self._no_draw = [torch.zeros(max_batch, dtype=dt) for dt in (torch.float32, torch.long, torch.float32,
+                                                                      torch.long, torch.long, torch.long)]
         self.steps: dict[tuple[int, int, Kind | None], object] = {}
         self._inputs: dict[tuple[int, int], tuple] = {}
         self.error: str | None = None
@@ -321,7 +324,7 @@ class CompiledDecode:
         or with a plain `kind` the (token, logprob) drawn."""
         b, ctx = step_key(self.cache, n, self.buckets, self.contexts)
         out = self.steps[b, ctx, kind](*self.inputs(b))
-        return out[:n] if kind is None else (out[0][:n], out[1][:n])
+        return out[:n] if kind is None else tuple(o[:n] for o in out)
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, n: int) -> torch.Tensor:
@@ -332,7 +335,7 @@ class CompiledDecode:
         return out
 
     @torch.inference_mode()
-    def draw(self, tokens: torch.Tensor, n: int, kind: Kind) -> tuple[torch.Tensor, torch.Tensor]:
+    def draw(self, tokens: torch.Tensor, n: int, kind: Kind) -> tuple[torch.Tensor, ...]:
         """The tokens drawn for slots 0..n-1 fed `tokens` (n,), whose rows are plain of `kind`
         (`Sampler.plain_kind`), with their log-probabilities; advances the cache (the sampler records them)."""
         self.tokens[:n, 0].copy_(tokens)
@@ -352,9 +355,9 @@ class CompiledDecode:
             if kind is None:
                 same = torch.allclose(got.float(), eager.float(), atol=atol, rtol=1e-2)
             else:
-                inv_temp, seed_key, length, prompt_len = args[2:6]
-                token, logprob = plain_draw(eager, *self._vocab_block(), kind, inv_temp, seed_key,
-                                            length - prompt_len)
+                inv_temp, top_k, top_p, seed_key, length, prompt_len = args[2:8]
+                token, logprob, *_ = plain_draw(eager, *self._vocab_block(), kind, inv_temp, top_k, top_p, seed_key,
+                                                length - prompt_len)
                 same = torch.equal(got[0], token) and torch.allclose(got[1], logprob, atol=atol, rtol=1e-2)
             if not same:
                 return False

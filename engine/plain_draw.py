@@ -1,9 +1,11 @@
 """The draw of plain rows as one pure function: what the compiled decode step (engine/compiled_decode.py) fuses
 into its graph, so that a batch-1 token costs one call instead of the forward's plus the sampler's ~20 small ops.
 
-A plan is plain when every row is greedy, or every row samples from its whole distribution at one kind of
-temperature (T = 1; or T < 1, clamped as `Sampler._sample` clamps it), with no top-k, top-p, penalties, logit bias,
-min_tokens, grammar or top-n logprobs. These are the server's defaults (TGI's greedy, OpenAI's T = 1) and the
+A plan is plain when every row is greedy, or every row samples at one kind of temperature (T = 1; or T < 1,
+clamped as `Sampler._sample` clamps it), with or without top-p, or every row has a top-k of at most TOP_K_MAX
+(any temperature, with or without top-p: `top_k_draw`'s arithmetic), and no row has penalties, logit bias,
+min_tokens, a grammar or top-n logprobs. Top-p is checked inside (`in_nucleus`, one pass); the rare row whose draw
+falls outside its nucleus is drawn again by the sampler after the read-back, as `Sampler.step` does. These are the server's defaults (TGI's greedy, OpenAI's T = 1) and the
 common sampled requests; anything else stays on `Sampler.step`. The arithmetic is `Sampler._sample`'s for such a
 plan, step for step (the same blocks, maxima, noise keys and summation order), so a seeded request draws the same
 tokens either way; tests/test_compiled_decode.py holds the two against each other.
@@ -15,17 +17,22 @@ from typing import Literal
 
 import torch
 
+from engine.sampler.draw import TOP_K_MAX
 from engine.sampler.noise import STREAM_BLOCK, STREAM_TOKEN, gumbel, row_keys
 from engine.sampler.sampler import EXP_FLOOR
+from engine.sampler.top_p import in_nucleus
 
-Kind = Literal["greedy", "sample", "sample_sharpened"]  # T = 0, T = 1, T < 1 (clamped before exp)
-KINDS: tuple[Kind, ...] = ("greedy", "sample", "sample_sharpened")
+Kind = Literal["greedy", "sample", "sample_sharpened", "top_k"]  # T = 0, T = 1, T < 1 (clamped before exp), top-k
+KINDS: tuple[Kind, ...] = ("greedy", "sample", "sample_sharpened", "top_k")
 
 
 def plain_draw(logits: torch.Tensor, vocab_size: int, block: int, kind: Kind, inv_temp: torch.Tensor,
-               seed_key: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token, logprob) per row of logits (B, ≥ vocab) for a plain plan of `kind`; inv_temp, seed_key and position
-    (B,) are the rows' 1/T, seed key and generated-token index (`SlotState`)."""
+               top_k: torch.Tensor, top_p: torch.Tensor, seed_key: torch.Tensor,
+               position: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(token, logprob) per row of logits (B, ≥ vocab) for a plain plan of `kind`; inv_temp, top_k, top_p, seed_key
+    and position (B,) are the rows' 1/T, top-k (vocabulary size: off), top-p (1: off), seed key and generated-token
+    index (`SlotState`). The sample kinds also return top-p's membership check and what a rejected row's redraw
+    reads (`Sampler.take`): (token, logprob, accepted, raw, e, total, lse)."""
     V = vocab_size
     n_blocks = (V + 1 + block - 1) // block  # as Sampler: column V is a -inf sink
     raw = logits[:, :V].float()
@@ -34,6 +41,9 @@ def plain_draw(logits: torch.Tensor, vocab_size: int, block: int, kind: Kind, in
     bmax = srcb.amax(-1)
     m = bmax.amax(-1, keepdim=True)
     d = src - m
+    if kind == "top_k":
+        return _top_k(raw, srcb, bmax, m[:, 0] + d.exp().sum(-1).log(), block, inv_temp, top_k, top_p,
+                      row_keys(seed_key, position, STREAM_TOKEN))
     scale = None if kind in ("greedy", "sample") else inv_temp[:, None]
     if scale is None:
         e = d.exp()
@@ -58,4 +68,28 @@ def plain_draw(logits: torch.Tensor, vocab_size: int, block: int, kind: Kind, in
             within = within * scale
         ids = chosen[:, None] * block + in_block
         token = chosen * block + (within + gumbel(key_t, ids)).argmax(-1)
+    logprob = raw.gather(1, token[:, None])[:, 0] - lse
+    if kind == "greedy":
+        return token, logprob
+    total = bsum.sum(-1)
+    return token, logprob, in_nucleus(e, token, total, top_p), raw, e, total, lse
+
+
+def _top_k(raw, srcb, bmax, lse, block, inv_temp, top_k, top_p, key):
+    """engine.sampler.draw.top_k_draw for every row, over TOP_K_MAX candidates: the best blocks by their maxima, the
+    best tokens among them (sorted), scaled by 1/T, each row's beyond its k masked, top-p inside them, Gumbel-max
+    keyed by token id."""
+    n_blocks = srcb.size(1)
+    K = min(TOP_K_MAX, n_blocks * block)
+    best = bmax.topk(min(K, n_blocks), -1).indices
+    cand = srcb.gather(1, best[:, :, None].expand(-1, -1, block)).flatten(1)
+    vals, pos = cand.topk(K, -1)
+    ids = (best[:, :, None] * block + torch.arange(block, device=raw.device)).flatten(1).gather(1, pos)
+    vals = vals * inv_temp[:, None]
+    vals = vals.masked_fill(torch.arange(K, device=raw.device)[None, :] >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(vals, -1)
+    before = torch.cumsum(probs, -1) - probs
+    p = top_p[:, None]
+    vals = vals.masked_fill((before >= p) & (p < 1.0), float("-inf"))
+    token = ids.gather(1, (vals + gumbel(key, ids)).argmax(-1, keepdim=True))[:, 0]
     return token, raw.gather(1, token[:, None])[:, 0] - lse

@@ -18,7 +18,9 @@ from engine.params import SamplingParams
 from engine.request import EngineRequest
 from tests.helpers import tiny_model
 
-REQUESTS = [(list(range(5, 17)), 0.0, None, 1), (list(range(9, 30)), 0.8, 0.9, 7), (list(range(3, 8)), 1.0, None, 3)]
+# (prompt, temperature, top_p, top_k, seed)
+REQUESTS = [(list(range(5, 17)), 0.0, None, 0, 1), (list(range(9, 30)), 0.8, 0.9, 0, 7),
+            (list(range(3, 8)), 1.0, None, 0, 3), (list(range(20, 26)), 0.9, 0.95, 40, 5)]
 
 
 def make_core(compile: str, wait: bool = True, **kw) -> EngineCore:
@@ -33,9 +35,9 @@ def make_core(compile: str, wait: bool = True, **kw) -> EngineCore:
 def run(core: EngineCore, together: bool) -> dict[str, list[int]]:
     """The requests one at a time (batch 1 throughout), or all at once (batch 3)."""
     out: dict[str, list[int]] = {}
-    for i, (prompt, t, top_p, seed) in enumerate(REQUESTS):
-        core.add(EngineRequest(str(i), prompt, SamplingParams(max_new_tokens=24, temperature=t, top_p=top_p or 1.0),
-                               seed=seed))
+    for i, (prompt, t, top_p, top_k, seed) in enumerate(REQUESTS):
+        core.add(EngineRequest(str(i), prompt, SamplingParams(max_new_tokens=24, temperature=t, top_p=top_p or 1.0,
+                                                              top_k=top_k), seed=seed))
         while not together and core.has_work():
             for o in core.step():
                 out.setdefault(o.request_id, []).extend(o.token_ids)
@@ -91,11 +93,11 @@ def test_the_compiled_step_serves_the_batches_it_was_made_for_and_eager_the_rest
     made = len(calls)
     alone = run(core, together=False)
     assert len(calls) - made == sum(len(v) - 1 for v in alone.values())  # every batch-1 decode step replayed
-    # greedy and T = 1 draw inside the step (engine/plain_draw.py); top-p's rows take the logits to the sampler
-    assert {kind for _, kind in calls[made:]} == {"greedy", "sample", None}
+    # greedy, T = 1 and T = 0.8 with top-p 0.9 draw inside the step (engine/plain_draw.py)
+    assert {kind for _, kind in calls[made:]} == {"greedy", "sample", "sample_sharpened", "top_k"}
     made = len(calls)
     batched = run(core, together=True)
-    assert len(calls) == made  # three rows decoding together: above the compiled batch, eager
+    assert len(calls) == made  # four rows decoding together: above the compiled batch, eager
     eager = run(make_core("off"), together=False)
     assert alone == eager and batched == eager  # seeded and greedy requests: the same tokens alone or batched
 
@@ -161,12 +163,12 @@ def test_quantized_weights_and_bad_modes_are_not_compiled():
         EngineCore(tiny_model(0, vocab_size=96, block_size=64), n_slots=2, vocab_size=96, compile="maybe")
 
 
-@pytest.mark.slow  # real AOTInductor compiles (max_autotune), 4 packages: ~1-4 min on 2 CPU cores
+@pytest.mark.slow  # real AOTInductor compiles (max_autotune), 5 packages: ~2-5 min on 2 CPU cores
 def test_compiled_tokens_equal_eager_tokens_and_a_restart_loads_them():
     core = make_core("on")
     assert core.stats()["compiled_decode"] and core.stats()["compile_source"] == "compiled"
     eager = run(make_core("off"), together=False)
-    assert run(core, together=False) == eager  # greedy and T = 1 drawn inside the step, top-p outside
+    assert run(core, together=False) == eager  # greedy, T = 1 and top-p drawn inside the step
     assert run(core, together=True) == eager
     again = make_core("on")
     assert again.stats()["compile_source"] == "cache" and again.compile_seconds < 30
@@ -180,28 +182,28 @@ def test_a_restart_loads_the_compiled_steps_from_the_cache_keyed_by_what_they_de
     build = cd.build_package
     monkeypatch.setattr(cd, "build_package", lambda *a: builds.append(a[2].name) or build(*a))
     first = make_core("on")
-    assert first.stats()["compile_source"] == "compiled" and len(builds) == 4  # logits + 3 plain kinds
+    assert first.stats()["compile_source"] == "compiled" and len(builds) == 5  # logits + 4 plain kinds
     assert [p.name for p in compile_cache.iterdir()] == [first._compiled.folder.name]  # a folder per key
     again = make_core("on")  # the same weights, CPU, threads and torch: loaded, not built
-    assert again.stats()["compile_source"] == "cache" and len(builds) == 4 and again.stats()["compiled_decode"]
+    assert again.stats()["compile_source"] == "cache" and len(builds) == 5 and again.stats()["compiled_decode"]
     assert run(again, together=False) == run(make_core("off"), together=False)
 
     package = next(p for p in next(compile_cache.iterdir()).iterdir() if p.suffix == ".pt2")
     package.write_bytes(b"\0garbage")  # a corrupt package: compiled again, one log line
     with caplog.at_level(logging.WARNING, logger="engine.compiled_decode"):
         mended = make_core("on")
-    assert mended.stats()["compile_source"] == "compiled" and len(builds) == 8
+    assert mended.stats()["compile_source"] == "compiled" and len(builds) == 10
     assert [r.getMessage().split(" (")[-1] for r in caplog.records if "do not load" in r.getMessage()] == [
         "RuntimeError: PytorchStreamReader failed reading zip archive); compiling them again"]
 
     monkeypatch.setattr(torch, "__version__", "0.0.0-another")  # another torch (or CPU, threads, weights): a new key
     make_core("on")
-    assert len(builds) == 12 and len(list(compile_cache.iterdir())) == 2
+    assert len(builds) == 15 and len(list(compile_cache.iterdir())) == 2
     other = tiny_model(1, vocab_size=96, block_size=64)  # other weights
     core = EngineCore(other, n_slots=4, vocab_size=96, prepack=True, compile="on")
     core.warmup()
     core.wait_compiled(60)
-    assert len(builds) == 16 and len(list(compile_cache.iterdir())) == 3
+    assert len(builds) == 20 and len(list(compile_cache.iterdir())) == 3
 
 
 def test_an_unwritable_compile_cache_compiles_for_the_process_with_one_log_line(monkeypatch, caplog, tmp_path):

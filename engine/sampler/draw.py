@@ -11,6 +11,10 @@ from engine.sampler.plan import Plan
 from engine.sampler.state import SlotState
 
 BLOCK_SIZE = 256  # tokens per block of the hierarchical draw (√V-ish for GPT-2's 50257)
+# rows with 0 < top_k <= this (llama.cpp's default 40, Hugging Face's 50) draw inside the compiled decode step
+# (engine/plain_draw.py): its graph takes this many best tokens and masks each row's beyond its own k, as top_k_draw
+# does for a batch whose largest k is below it
+TOP_K_MAX = 64
 
 
 class Blocks:

@@ -12,7 +12,7 @@ from engine.ops import Draw
 from engine.params import SamplingParams
 from engine.sampler import penalties
 from engine.sampler.bitmask import Masker
-from engine.sampler.draw import BLOCK_SIZE, Blocks, top_k_draw
+from engine.sampler.draw import BLOCK_SIZE, TOP_K_MAX, Blocks, top_k_draw
 from engine.sampler.noise import STREAM_BLOCK, STREAM_TOKEN, gumbel, row_keys
 from engine.sampler.plan import Plan, Plans
 from engine.sampler.state import SlotState
@@ -115,14 +115,8 @@ class Sampler:
             parts += [s.top_ids.double(), s.top_lp.double()]
         rows = torch.cat(parts, 1).tolist()  # the one device→host copy of the step
         self.read_backs += 1
-        if s.accepted is not None and not all(r[2] for r in rows):
-            rejected = [i for i, r in enumerate(rows) if not r[2]]
-            fixed, rounds = redraw(rejected, token, s.ctx, self.blocks)
-            self.read_backs += rounds
-            for i, (t, lp) in zip(rejected, fixed):
-                rows[i][0], rows[i][1] = t, lp
-            token = token.clone()
-            token[device_index(rejected, self.device)] = device_index([t for t, _ in fixed], self.device)
+        if s.accepted is not None:
+            token = self._redraw_rejected(rows, token, s.ctx)
         self.state.record(plan.rows, plan.index, token)
         n = plan.top_n
         first_top = 3 if s.accepted is not None else 2
@@ -137,11 +131,14 @@ class Sampler:
 
     def plain_kind(self, slots: range | list[int]) -> str | None:
         """The kind of engine.plain_draw that draws these slots' rows exactly as `step` would (greedy; T = 1;
-        T < 1), or None when some row needs more (top-k / top-p, penalties, bias, min_tokens, a grammar, top-n)."""
+        T < 1; each with or without top-p; top-k up to TOP_K_MAX), or None when some row needs more (a larger
+        top-k, penalties, bias, min_tokens, a grammar, top-n)."""
         kinds = [self.state.kinds[s] for s in slots]
-        if any(k is None or k.top_k or k.top_p or k.repetition or k.presence_frequency or k.top_n or k.bias
-               or k.min_tokens or k.constrained for k in kinds):
+        if any(k is None or k.repetition or k.presence_frequency or k.top_n or k.bias or k.min_tokens
+               or k.constrained for k in kinds):
             return None
+        if any(k.top_k for k in kinds):
+            return "top_k" if all(0 < k.top_k <= TOP_K_MAX for k in kinds) else None
         if all(k.greedy for k in kinds):
             return "greedy"
         if any(k.greedy for k in kinds):
@@ -151,20 +148,44 @@ class Sampler:
         return "sample_sharpened" if all(k.sharpened for k in kinds) and self.device.type == "cpu" else None
 
     def plain_inputs(self, n: int) -> tuple[torch.Tensor, ...]:
-        """What engine.plain_draw reads of slots 0..n-1 (views): 1/T, the seed keys, the history lengths and the
-        prompt lengths (their difference: the index of the token drawn)."""
+        """What engine.plain_draw reads of slots 0..n-1 (views): 1/T, top-k, top-p, the seed keys, the history
+        lengths and the prompt lengths (their difference: the index of the token drawn)."""
         s = self.state
-        return s.inv_temp[:n], s.seed_key[:n], s.length[:n], s.prompt_len[:n]
+        return s.inv_temp[:n], s.top_k[:n], s.top_p[:n], s.seed_key[:n], s.length[:n], s.prompt_len[:n]
 
     @torch.inference_mode()
-    def take(self, slots: range | list[int], token: torch.Tensor, logprob: torch.Tensor) -> list[Draw]:
+    def take(self, slots: range | list[int], token: torch.Tensor, logprob: torch.Tensor,
+             *nucleus: torch.Tensor) -> list[Draw]:
         """Record tokens drawn outside `step` (engine.plain_draw, inside a compiled decode step) and return them
-        as `step` would: one device→host copy."""
+        as `step` would: one device→host copy. `nucleus`: a sampled kind's (accepted, raw, e, total, lse), whose
+        rejected rows are drawn again here as `step` draws them (top-p's redraw)."""
         plan = self.plans.get(slots)
-        rows = torch.stack([token.double(), logprob.double()], 1).tolist()
+        parts = [token.double(), logprob.double()]
+        if nucleus:
+            parts.append(nucleus[0].double())
+        rows = torch.stack(parts, 1).tolist()
         self.read_backs += 1
+        if nucleus:
+            _, raw, e, total, lse = nucleus
+            st, rs = self.state, plan.rows
+            ctx = Ctx(raw, e, total, lse, st.seed_key[rs], st.length[rs] - st.prompt_len[rs], st.top_p[rs])
+            token = self._redraw_rejected(rows, token, ctx)
         self.state.record(plan.rows, plan.index, token)
-        return [Draw(int(t), lp) for t, lp in rows]
+        return [Draw(int(r[0]), r[1]) for r in rows]
+
+    def _redraw_rejected(self, rows: list[list[float]], token: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        """Top-p's second half: the rows whose draw fell outside the nucleus (rows[i][2] false) are drawn again
+        (`top_p.redraw`); their token and logprob are written into `rows`. Returns the batch's tokens."""
+        rejected = [i for i, r in enumerate(rows) if not r[2]]
+        if not rejected:
+            return token
+        fixed, rounds = redraw(rejected, token, ctx, self.blocks)
+        self.read_backs += rounds
+        for i, (t, lp) in zip(rejected, fixed):
+            rows[i][0], rows[i][1] = t, lp
+        token = token.clone()
+        token[device_index(rejected, self.device)] = device_index([t for t, _ in fixed], self.device)
+        return token
 
     def _sample(self, logits: torch.Tensor, plan: Plan, bitmask: torch.Tensor | None = None) -> _Sampled:
         B, V, P, NB, BS = plan.n, self.vocab_size, self.padded, self.blocks.n, self.blocks.size

@@ -27,12 +27,14 @@ class Ctx:
 
 
 def in_nucleus(e: torch.Tensor, token: torch.Tensor, total: torch.Tensor, top_p: torch.Tensor,
-               out: torch.Tensor) -> torch.Tensor:
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """(B,) bool: each row's token is in its nucleus (or the row has no top-p). The mass of strictly more likely
     tokens < top_p · total, in one pass over e / e_s: Σ_j e_j [e_j > e_s] = e_s · Σ_j threshold(e_j / e_s, 1, 0).
-    Boolean tensors and torch.where cost several times more on a CPU. `out`: a (B, padded) workspace."""
-    e_s = e.gather(1, token[:, None]).clamp_(min=1e-30)
-    r = torch.nn.functional.threshold_(torch.div(e, e_s, out=out), 1.0, 0.0)
+    Boolean tensors and torch.where cost several times more on a CPU. `out`: a (B, padded) workspace (None: a new
+    tensor, as in a compiled graph)."""
+    e_s = e.gather(1, token[:, None]).clamp(min=1e-30)
+    F = torch.nn.functional
+    r = F.threshold(e / e_s, 1.0, 0.0) if out is None else F.threshold_(torch.div(e, e_s, out=out), 1.0, 0.0)
     above = e_s[:, 0] * r.sum(-1)
     return (above < top_p * total) | (top_p >= 1.0)
 

@@ -204,7 +204,7 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        self.runner.poll_compiled()  # the background compile may have finished: its steps go in between steps
+        self.poll_compiled()  # the background compile may have finished: its steps go in between steps
         step = self.scheduler.schedule(time.monotonic())
         try:
             draws = self._execute(step)
@@ -328,6 +328,14 @@ class EngineCore:
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for the background compile and install its steps (tests, benchmarks); True when they are in use."""
         return self.runner.wait_compiled(timeout)
+
+    def poll_compiled(self) -> bool:
+        """Between steps: install the compiled steps if their background compile has finished. True when it did
+        (the stats changed)."""
+        if self._compiling is None or not self._compiling.done:
+            return False
+        self.runner.poll_compiled()
+        return True
 
     def stats(self) -> dict:
         s = self.scheduler

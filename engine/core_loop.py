@@ -64,6 +64,8 @@ class CoreLoop:
                     raise DeviceFailed(core.fatal_error)
             elif msgs or core.has_work():  # aborts changed the counts, or deadlines passed while paused
                 self.deliver(core.expire(), always=True)
+            elif core.poll_compiled():  # the compile finished while idle: /info says so now, not at the next request
+                self.deliver([], always=True)
         self.deliver(core.shutdown(), always=True)
 
     def handle(self, client, msg) -> None:

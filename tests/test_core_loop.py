@@ -49,3 +49,54 @@ def test_every_front_learns_the_counts_when_another_fronts_request_empties_the_b
     transport.sent.clear()  # nothing moved: no message to anyone
     loop.deliver([])
     assert transport.sent == []
+
+
+class CompilingCore(FakeCore):
+    """Idle, with a background compile that finishes after `polls_left` polls."""
+
+    def __init__(self, polls_left: int) -> None:
+        super().__init__()
+        self.polls_left, self.compiled = polls_left, False
+        self.warmup_error = None
+
+    def stats(self) -> dict:
+        return super().stats() | {"compiling": not self.compiled, "compiled_decode": self.compiled}
+
+    def has_work(self) -> bool:
+        return False
+
+    def poll_compiled(self) -> bool:
+        self.polls_left -= 1
+        if self.compiled or self.polls_left > 0:
+            return False
+        self.compiled = True
+        return True
+
+    def shutdown(self) -> list:
+        return []
+
+
+class IdleTransport(Recorder):
+    """No messages for `rounds` receives, then a Shutdown."""
+
+    def __init__(self, rounds: int) -> None:
+        super().__init__()
+        self.rounds = rounds
+
+    def recv(self, timeout: float) -> list:
+        from engine.wire import Shutdown
+
+        self.rounds -= 1
+        return [] if self.rounds >= 0 else [("a", Shutdown())]
+
+
+def test_a_compile_that_finishes_while_the_server_is_idle_is_installed_and_every_front_told():
+    # the decode step compiles in the background for minutes; on an idle server /info said "compiling" until the
+    # next request arrived, because the steps were installed (and the stats sent) only at a step
+    core, transport = CompilingCore(polls_left=3), IdleTransport(rounds=5)
+    loop = CoreLoop(core, transport, warmup=False)
+    loop.clients |= {"a", "b"}
+    loop.warm = True
+    loop.run()
+    told = [(c, m.stats) for c, m in transport.sent if isinstance(m, Outputs) and m.stats.get("compiled_decode")]
+    assert {c for c, _ in told} == {"a", "b"} and all(not s["compiling"] for _, s in told)

@@ -5,10 +5,11 @@ A plan is plain when every row is greedy, or every row samples at one kind of te
 clamped as `Sampler._sample` clamps it), with or without top-p, or every row has a top-k of at most TOP_K_MAX
 (any temperature, with or without top-p: `top_k_draw`'s arithmetic), and no row has penalties, logit bias,
 min_tokens, a grammar or top-n logprobs. Top-p is checked inside (`in_nucleus`, one pass); the rare row whose draw
-falls outside its nucleus is drawn again by the sampler after the read-back, as `Sampler.step` does. These are the server's defaults (TGI's greedy, OpenAI's T = 1) and the
-common sampled requests; anything else stays on `Sampler.step`. The arithmetic is `Sampler._sample`'s for such a
-plan, step for step (the same blocks, maxima, noise keys and summation order), so a seeded request draws the same
-tokens either way; tests/test_compiled_decode.py holds the two against each other.
+falls outside its nucleus is drawn again by the sampler after the read-back, as `Sampler.step` does. These are the
+server's defaults (TGI's greedy, OpenAI's T = 1) and the common sampled requests (llama.cpp's T 0.8, top-k 40,
+top-p 0.95); anything else stays on `Sampler.step`. The arithmetic is `Sampler._sample`'s for such a plan, step for
+step (the same blocks, maxima, noise keys and summation order), so a seeded request draws the same tokens either
+way; tests/test_plain_draw.py and tests/test_compiled_decode.py hold the two against each other.
 """
 
 from __future__ import annotations

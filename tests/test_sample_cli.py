@@ -116,7 +116,10 @@ class _Chat:
     # Each reply is the real model's tokens, then text that never ends: only an interruption can stop it.
     # The generator reports on stderr when it is closed, i.e. when generation has really stopped.
     DRIVER = """if True:
-        import sys, time
+        import signal, sys, time
+        # a terminal's Ctrl-C: Python leaves SIGINT ignored when it starts with it ignored (inherited from the
+        # process that ran the test suite, e.g. a CI runner), and then no Ctrl-C would reach the chat
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         import engine.sample as cli
         from engine.generate import TokenEvent
         real = cli.stream_generate

@@ -93,6 +93,13 @@ def read_checkpoint(path: str | Path) -> tuple[GPTConfig, Tokenizer, dict[str, A
     return config, tokenizer, metadata
 
 
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN or ±Inf in t: its min and max (NaN propagates through both) in one pass that writes nothing; a mask
+    of `torch.isfinite` took 0.70 s for GPT-2 124M's weights against 0.05 on one core (docs/performance.md)."""
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) and torch.isfinite(hi))
+
+
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
                     dtype: torch.dtype | None = None) -> Checkpoint:
     """Load and validate a checkpoint directory; the model comes back in eval mode on `device`."""
@@ -129,7 +136,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CheckpointError(f"{weights}: does not match {CONFIG}: " + "; ".join(problems[:3]) + more)
-    bad = [k for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    bad = [k for k, t in state.items() if t.is_floating_point() and t.numel() and not _finite(t)]
     if bad:
         raise CheckpointError(f"{weights}: non-finite values (NaN/Inf) in {bad[:3]}")
 

@@ -74,10 +74,11 @@ def test_shapes_that_disagree_with_config(ckpt):
     _expect(path, r"config\.json: not valid JSON")
 
 
-def test_nonfinite_weights(ckpt):
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_weights(ckpt, value):
     path, _ = ckpt
     state = load_file(str(path / "model.safetensors"))
-    state["transformer.ln_f.weight"][0] = float("nan")
+    state["transformer.ln_f.weight"][3] = value
     save_file(state, str(path / "model.safetensors"))
     _expect(path, r"non-finite values .*ln_f")
 

@@ -332,10 +332,7 @@ class EngineCore:
     def poll_compiled(self) -> bool:
         """Between steps: install the compiled steps if their background compile has finished. True when it did
         (the stats changed)."""
-        if self._compiling is None or not self._compiling.done:
-            return False
-        self.runner.poll_compiled()
-        return True
+        return self.runner.poll_compiled()
 
     def stats(self) -> dict:
         s = self.scheduler

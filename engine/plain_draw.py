@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from engine.sampler.draw import TOP_K_MAX
+from engine.sampler.draw import TOP_K_MAX, draw_among_best
 from engine.sampler.noise import STREAM_BLOCK, STREAM_TOKEN, gumbel, row_keys
 from engine.sampler.sampler import EXP_FLOOR
 from engine.sampler.top_p import in_nucleus
@@ -42,9 +42,10 @@ def plain_draw(logits: torch.Tensor, vocab_size: int, block: int, kind: Kind, in
     bmax = srcb.amax(-1)
     m = bmax.amax(-1, keepdim=True)
     d = src - m
-    if kind == "top_k":
-        return _top_k(raw, srcb, bmax, m[:, 0] + d.exp().sum(-1).log(), block, inv_temp, top_k, top_p,
-                      row_keys(seed_key, position, STREAM_TOKEN))
+    if kind == "top_k":  # the eager top_k_draw's own function, over TOP_K_MAX candidates for every row
+        token = draw_among_best(srcb, bmax, min(TOP_K_MAX, n_blocks * block), torch.arange(block, device=src.device),
+                                inv_temp[:, None], top_k, top_p, row_keys(seed_key, position, STREAM_TOKEN))
+        return token, raw.gather(1, token[:, None])[:, 0] - (m[:, 0] + d.exp().sum(-1).log())
     scale = None if kind in ("greedy", "sample") else inv_temp[:, None]
     if scale is None:
         e = d.exp()
@@ -75,22 +76,3 @@ def plain_draw(logits: torch.Tensor, vocab_size: int, block: int, kind: Kind, in
     total = bsum.sum(-1)
     return token, logprob, in_nucleus(e, token, total, top_p), raw, e, total, lse
 
-
-def _top_k(raw, srcb, bmax, lse, block, inv_temp, top_k, top_p, key):
-    """engine.sampler.draw.top_k_draw for every row, over TOP_K_MAX candidates: the best blocks by their maxima, the
-    best tokens among them (sorted), scaled by 1/T, each row's beyond its k masked, top-p inside them, Gumbel-max
-    keyed by token id."""
-    n_blocks = srcb.size(1)
-    K = min(TOP_K_MAX, n_blocks * block)
-    best = bmax.topk(min(K, n_blocks), -1).indices
-    cand = srcb.gather(1, best[:, :, None].expand(-1, -1, block)).flatten(1)
-    vals, pos = cand.topk(K, -1)
-    ids = (best[:, :, None] * block + torch.arange(block, device=raw.device)).flatten(1).gather(1, pos)
-    vals = vals * inv_temp[:, None]
-    vals = vals.masked_fill(torch.arange(K, device=raw.device)[None, :] >= top_k[:, None], float("-inf"))
-    probs = torch.softmax(vals, -1)
-    before = torch.cumsum(probs, -1) - probs
-    p = top_p[:, None]
-    vals = vals.masked_fill((before >= p) & (p < 1.0), float("-inf"))
-    token = ids.gather(1, (vals + gumbel(key, ids)).argmax(-1, keepdim=True))[:, 0]
-    return token, raw.gather(1, token[:, None])[:, 0] - lse

@@ -283,10 +283,13 @@ class ModelRunner:
         log.info("compiling the decode step (batches up to %d) in the background; decoding eagerly meanwhile",
                  self.compile_max_batch)
 
-    def poll_compiled(self) -> None:
-        """At a step boundary: install the compiled steps once the background compile has finished."""
-        if self._compiling is not None and self._compiling.done:
-            self._install_compiled()
+    def poll_compiled(self) -> bool:
+        """At a step boundary: install the compiled steps once the background compile has finished; True when it
+        did (the stats changed)."""
+        if self._compiling is None or not self._compiling.done:
+            return False
+        self._install_compiled()
+        return True
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for the background compile and install its steps (tests, benchmarks); True when they are in use."""

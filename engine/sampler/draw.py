@@ -49,10 +49,6 @@ class Blocks:
         ids = block[:, None] * self.size + self.in_block  # (B, BS)
         return block * self.size + (within + gumbel(key, ids)).argmax(-1)
 
-    def cols(self, k: int) -> torch.Tensor:
-        """0..k-1 on the device."""
-        return self.in_block[:k] if k <= self.size else torch.arange(k, device=self.device)
-
 
 def top_k_draw(blocks: Blocks, state: SlotState, src: torch.Tensor, scale: torch.Tensor | None, plan: Plan,
                seed_key: torch.Tensor, position: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,21 +62,34 @@ def top_k_draw(blocks: Blocks, state: SlotState, src: torch.Tensor, scale: torch
         sub = z[at]
         apply_bitmask(sub, bitmask[mask_at], state.vocab_size)
         z[at] = sub
+    scale = None if scale is None else (scale if plan.topk_all else scale[sel])
+    k = state.top_k[plan.rows][sel]
+    p = state.top_p[plan.rows][sel] if plan.top_p_in_k else None
+    key = row_keys(seed_key[sel], position[sel], STREAM_TOKEN)
     zb = z.unflatten(1, (blocks.n, BS))
+    return draw_among_best(zb, zb.amax(-1), K, blocks.in_block, scale, k, p, key)
+
+
+def draw_among_best(zb: torch.Tensor, bmax: torch.Tensor, K: int, in_block: torch.Tensor,
+                    scale: torch.Tensor | None, k: torch.Tensor, p: torch.Tensor | None,
+                    key: torch.Tensor) -> torch.Tensor:
+    """Top-k's draw as a pure function (the eager step's `top_k_draw` and the compiled step's engine/plain_draw.py
+    share it): over each row's K best tokens of zb (B, blocks, block) with block maxima bmax, scaled by `scale`
+    (B, 1) or not, each row's beyond its own k masked, top-p `p` (B,) inside them (None: no row has it), then
+    Gumbel-max keyed by token id with `key` (B,). A K above a row's k changes nothing: the extra columns are masked."""
+    BS = zb.size(2)
     # the k best tokens lie in the k blocks with the best maxima: topk over those k · BS candidates
-    best = zb.amax(-1).topk(min(K, blocks.n), -1).indices  # (Bk, K')
+    best = bmax.topk(min(K, zb.size(1)), -1).indices  # (B, K')
     cand = zb.gather(1, best[:, :, None].expand(-1, -1, BS)).flatten(1)
     vals, pos = cand.topk(K, -1)  # sorted, best first (the order of z = src · scale too)
-    ids = (best[:, :, None] * BS + blocks.in_block).flatten(1).gather(1, pos)
+    ids = (best[:, :, None] * BS + in_block).flatten(1).gather(1, pos)
     if scale is not None:
-        vals = vals * (scale if plan.topk_all else scale[sel])
-    k = state.top_k[plan.rows][sel]
-    vals = vals.masked_fill(blocks.cols(plan.k_max)[None, :] >= k[:, None], float("-inf"))
-    if plan.top_p_in_k:
-        p = state.top_p[plan.rows][sel]
+        vals = vals * scale
+    cols = in_block[:K] if K <= BS else torch.arange(K, device=zb.device)
+    vals = vals.masked_fill(cols[None, :] >= k[:, None], float("-inf"))
+    if p is not None:
         probs = torch.softmax(vals, -1)
         before = torch.cumsum(probs, -1) - probs
         # a token stays while the mass of the better ones is < p; the best one always stays
         vals = vals.masked_fill((before >= p[:, None]) & (p[:, None] < 1.0), float("-inf"))
-    key = row_keys(seed_key[sel], position[sel], STREAM_TOKEN)
     return ids.gather(1, (vals + gumbel(key, ids)).argmax(-1, keepdim=True))[:, 0]

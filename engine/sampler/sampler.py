@@ -165,7 +165,7 @@ class Sampler:
             parts.append(nucleus[0].double())
         rows = torch.stack(parts, 1).tolist()
         self.read_backs += 1
-        if nucleus:
+        if nucleus and not all(r[2] for r in rows):  # the redraw's inputs only when a draw left its nucleus
             _, raw, e, total, lse = nucleus
             st, rs = self.state, plan.rows
             ctx = Ctx(raw, e, total, lse, st.seed_key[rs], st.length[rs] - st.prompt_len[rs], st.top_p[rs])

@@ -17,8 +17,8 @@ import typing
 
 from app import __version__
 from app.config import Settings, SettingsError, load_settings
-from app.serve import serve
-from app.service import StartupError, start_engine
+from engine.build import CoreConfig, StartupError
+from engine.core_process import CoreProcess
 
 log = logging.getLogger("app")
 
@@ -92,8 +92,18 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # the engine core's process starts before this one imports the HTTP stack and torch (app.serve): the two load
+    # side by side on a multi-core machine instead of one after the other (GPT-2: -2.5 s to healthy on 2 cores,
+    # docs/performance.md, "Start-up"); app.config and engine.core_process do not import torch
+    started = None
+    if settings.engine != "thread":
+        started = CoreProcess(CoreConfig.from_settings(settings))
+        started.start()
+    from app.serve import serve
+    from app.service import start_engine
+
     try:
-        loaded, core = start_engine(settings)
+        loaded, core = start_engine(settings, started)
     except StartupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -48,20 +48,24 @@ class CoreHandle:
     process: CoreProcess | None = None
 
     @classmethod
-    def start(cls, settings: Settings) -> CoreHandle:
-        """(Blocking.) Start the core process and wait until it has loaded the model; StartupError otherwise."""
-        proc = CoreProcess(CoreConfig.from_settings(settings))
-        proc.start()
+    def start(cls, settings: Settings, started: CoreProcess | None = None) -> CoreHandle:
+        """(Blocking.) Start the core process (unless `started` already is) and wait until it has loaded the model;
+        StartupError otherwise."""
+        proc = started
+        if proc is None:
+            proc = CoreProcess(CoreConfig.from_settings(settings))
+            proc.start()
         info = proc.wait_loaded()
         return cls(proc.address, proc.pid, info, proc)
 
 
-def start_engine(settings: Settings) -> tuple[Any, CoreHandle | None]:
+def start_engine(settings: Settings, started: CoreProcess | None = None) -> tuple[Any, CoreHandle | None]:
     """(Blocking.) Before the port opens: the model loaded here (GPT_ENGINE=thread) or the engine core's process
-    started and loaded, as (loaded, core) for `create_app`; StartupError with a one-line reason otherwise."""
+    (`started` by the caller, or here) loaded, as (loaded, core) for `create_app`; StartupError with a one-line
+    reason otherwise."""
     if settings.engine == "thread":
         return load_model(CoreConfig.from_settings(settings)), None
-    return None, CoreHandle.start(settings)
+    return None, CoreHandle.start(settings, started)
 
 
 class Service:

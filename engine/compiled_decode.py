@@ -18,7 +18,7 @@ evaluation and AOT autograd's runtime wrappers, ~40% of the bundled model's comp
   once a replay equals the eager step on the live cache (`ModelRunner._install_compiled`). Start-up never waits.
 - **Cached on disk** (`cache_dir`: the server's `GPT_COMPILE_CACHE`, default ~/.cache/gpt-serve/compiled), a
   folder per key: the weights' bytes, the buckets, this CPU's flags, the torch threads, torch's version and the
-  source of the code traced.
+  source of the code traced (beside them `kernels.json`: the eager one-row kernel choices, engine.cpu_tuning).
   A restart on the same machine loads the packages in milliseconds instead of compiling for minutes; a package
   that does not load (corrupt, another torch) is compiled again, with one log line.
 - A compile that fails, or a replay that differs from eager decoding, leaves the engine eager with one log line.

@@ -318,12 +318,11 @@ class EngineCore:
 
     # ------------------------------------------------------------------ warm-up and stats
     def warmup(self, graph_capture=None) -> None:
-        """A short prefill, then a decode step and a sampled step over every slot, then the longest prefill a step
-        makes, so first requests do not pay one-time costs (allocator growth, oneDNN primitive creation); CUDA
+        """A short prefill, then a decode step and a sampled step over every slot, and a row alone, so first requests
+        do not pay one-time costs (oneDNN primitive creation, the one-row kernel choice); CUDA
         graphs are captured here, last, over empty slots. `graph_capture` replaces the CUDA capture
         (engine.cuda_graphs.eager_capture: the same sequence on a CPU, for tests)."""
-        self.runner.warmup(graph_capture, speculator=self.speculator,
-                           longest_prefill=self.scheduler.idle_prefill_chunk)
+        self.runner.warmup(graph_capture, speculator=self.speculator)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for the background compile and install its steps (tests, benchmarks); True when they are in use."""

@@ -153,3 +153,84 @@ def release_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+class KernelChoices:
+    """`model.linear.tune`'s one-row kernel choices, kept on disk per CPU, torch version and thread count (the JSON
+    file `kernels.json` in the compile cache's folder), so only a machine's first start times them (GPT-2: ~1 s of
+    start-up, docs/performance.md, "Start-up"). A file that does not parse is measured again and rewritten, with one
+    log line; a folder that cannot be written keeps them for this process only."""
+
+    def __init__(self, folder: str | os.PathLike | None = None) -> None:
+        from pathlib import Path
+
+        from engine.compiled_decode import default_cache_dir
+
+        self.path = (Path(folder) if folder else default_cache_dir()) / "kernels.json"
+
+    @staticmethod
+    def key() -> str:
+        """This CPU (its model name and flags), torch and its threads: what a timing depends on."""
+        import hashlib
+        import platform
+
+        import torch
+
+        from model.cpu_support import cpu_flags
+
+        name = ""
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+        except OSError:
+            pass
+        text = repr((name, platform.machine(), sorted(cpu_flags()), torch.__version__, torch.get_num_threads()))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def _read(self) -> dict:
+        import json
+
+        try:
+            data = json.loads(self.path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+            return data
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            log.warning("kernel choices in %s do not load (%s: %s); measuring them again", self.path,
+                        type(e).__name__, e)
+            return {}
+
+    def load(self) -> dict[tuple[int, int], str]:
+        """The choices known for this key: {(out, in): "mkl" | "onednn"}."""
+        known = self._read().get(self.key(), {})
+        out = {}
+        for shape, choice in known.items() if isinstance(known, dict) else ():
+            try:
+                o, i = (int(n) for n in shape.split("x"))
+            except ValueError:
+                continue
+            if choice in ("mkl", "onednn"):
+                out[o, i] = choice
+        return out
+
+    def save(self, choices: dict[tuple[int, int], str]) -> None:
+        """Merge `choices` into the file under this key (written whole: a crash leaves the old file or the new)."""
+        import json
+        import tempfile
+
+        if not choices:
+            return
+        data = self._read()
+        entry = data.get(self.key()) if isinstance(data.get(self.key()), dict) else {}
+        entry.update({f"{o}x{i}": c for (o, i), c in choices.items()})
+        data[self.key()] = entry
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".kernels-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("kernel choices not saved to %s (%s)", self.path, e)

@@ -24,6 +24,7 @@ import torch
 from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
 from engine.compiled_decode import one_line
 from engine.compiled_decode import resolve_mode as resolve_compile
+from engine.cpu_tuning import KernelChoices
 from engine.ops import Admit, Copy, Draw, Free, Idle, Move, Op
 from engine.params import SamplingParams
 from engine.prompt_logprobs import PromptScorer
@@ -32,7 +33,7 @@ from engine.scheduler import Step
 from engine.sizing import SizingError
 from model.gpt import GPT
 from model.kv_cache import KVCache, device_index
-from model.linear import DEFAULT_INT4_GROUP, convert, drop_plain, tune, weight_bytes
+from model.linear import DEFAULT_INT4_GROUP, convert, drop_plain, small_linear_forced, tune, weight_bytes
 
 if TYPE_CHECKING:
     from engine.spec_decode import Speculator
@@ -94,7 +95,10 @@ class ModelRunner:
             # through a GEMM), and when compiling for good: the graph reads them (eager keeps its kernels)
             self.weights = convert(model, quantize, int4_group, keep_plain=True)
             if self.device.type == "cpu":
-                self.kernels = tune(model)
+                choices = KernelChoices(compile_cache)
+                self.kernels = tune(model, known=choices.load())
+                if not small_linear_forced():  # GPT_SMALL_LINEAR's choice is not a measurement
+                    choices.save(self.kernels)
             if self.compile != "on":  # compiling: until the compile has read them (_install_compiled)
                 drop_plain(model)
         self.packed_layers = self.weights["swapped"] if self.weights["format"] == "none" else 0
@@ -202,10 +206,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ warm-up, CUDA graphs, the compiled step
     @torch.inference_mode()
-    def warmup(self, graph_capture=None, *, speculator: Speculator | None = None,
-               longest_prefill: int | None = None) -> None:
-        """EngineCore.warmup: `speculator` warms its verification pass and draft; `longest_prefill` is the longest
-        prompt chunk one step prefills (None: the context)."""
+    def warmup(self, graph_capture=None, *, speculator: Speculator | None = None) -> None:
+        """EngineCore.warmup: `speculator` warms its verification pass and draft. No long prefill: the longest
+        chunk a step prefills (GPT-2: 1.8 s of start-up) gave a fresh server's first long prompt no measurable
+        gain (docs/performance.md, "Start-up")."""
         t0 = time.perf_counter()
         n = self.n_slots
         try:
@@ -228,15 +232,6 @@ class ModelRunner:
                     if spec.draft is not None:
                         spec.draft.propose([("warm-up", [0, 0], k)])
                         spec.draft.drop("warm-up")
-                # the longest prompt one step prefills, once (vLLM's start-up profile run does the same): the heap
-                # grows to it here, not during the first long request (the core process keeps freed memory,
-                # engine/core_process.py). GPT-2 124M, 2 CPU cores: +0.6 s of start-up; a fresh server's first
-                # distinct 512-token prompt 294-350 ms against ~300-320 for those after it (372-429 ms before)
-                longest = min(self.max_len, longest_prefill or self.max_len)
-                if longest > 2:
-                    self.cache.reset(0)
-                    self.model.forward_cached(torch.zeros(1, longest, dtype=torch.long, device=self.device),
-                                              self.cache, [0])
             if self.cuda_graphs or self.compile == "on":  # on empty slots: slot 0 may now hold the whole
                 for s in range(n):  # context, and a captured step writes at each slot's length
                     self.cache.reset(s)

@@ -19,8 +19,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: the server's settings parse memory sizes before torch loads (app/config.py)
+    import torch
 
 CPU_DEFAULT_BATCH = 32
 GPU_MAX_BATCH = 256
@@ -55,6 +57,8 @@ def parse_memory(value: str | float | int | None) -> tuple[str, float] | None:
 
 def available_memory(device: torch.device) -> int:
     """Bytes free for the cache now: the GPU's free memory, or the kernel's MemAvailable on a CPU."""
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
@@ -67,6 +71,8 @@ def available_memory(device: torch.device) -> int:
 
 
 def kv_bytes_per_slot(n_layer: int, n_embd: int, context: int, dtype: torch.dtype) -> int:
+    import torch
+
     return 2 * n_layer * context * n_embd * torch.empty((), dtype=dtype).element_size()
 
 
@@ -107,6 +113,8 @@ def plan_slots(n_layer: int, n_embd: int, context: int, device: torch.device, kv
     """Slots for the cache: `max_batch_size` when given (it must fit an explicit budget), else as many as the budget
     holds, capped (32 on a CPU, 256 on a GPU). `draft`: the draft model's config: a slot then costs its KV slot too
     (`slot_kv_bytes`). `available` overrides the measured free memory (tests)."""
+    import torch
+
     free = available_memory(device) if available is None else available
     kv, draft_kv = slot_kv_bytes(n_layer, n_embd, context, kv_dtype, draft)
     per_slot = kv + draft_kv + SLOT_ALLOWANCE

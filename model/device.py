@@ -5,11 +5,30 @@ from __future__ import annotations
 import glob
 import os
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# torch is imported where it is used: the server's settings parse these names before the engine core's process
+# starts, and a front that imports torch first started the core ~2 s later (docs/performance.md, "Start-up")
+NAMES = ("fp32", "bf16", "fp16")  # DTYPES' keys
+
+
+def __getattr__(name: str):
+    """DTYPES (short name → torch dtype) and DTYPE_NAMES (its inverse), made on first use (PEP 562)."""
+    if name in ("DTYPES", "DTYPE_NAMES"):
+        import torch
+
+        dtypes = dict(zip(NAMES, (torch.float32, torch.bfloat16, torch.float16)))
+        globals().update(DTYPES=dtypes, DTYPE_NAMES={v: k for k, v in dtypes.items()})
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _dtypes() -> dict:
+    return globals().get("DTYPES") or __getattr__("DTYPES")
+
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's names (training configs use them)
 
 
@@ -27,8 +46,8 @@ def dtype_name(name: str) -> str:
     auto or the short name; ValueError otherwise."""
     n = name.strip().lower()
     n = DTYPE_ALIASES.get(n, n)
-    if n != "auto" and n not in DTYPES:
-        raise ValueError(f"dtype must be auto, {', '.join(DTYPES)} (or {', '.join(DTYPE_ALIASES)}), got {name!r}")
+    if n != "auto" and n not in NAMES:
+        raise ValueError(f"dtype must be auto, {', '.join(NAMES)} (or {', '.join(DTYPE_ALIASES)}), got {name!r}")
     return n
 
 
@@ -49,6 +68,8 @@ def resolve_device(name: str = "auto") -> torch.device:
     cannot use it (a CPU build of torch, or a CUDA build newer than the driver): that is a deployment error, not a
     reason to serve on the CPU at a fraction of the speed, so it fails with one line (ValueError); --device cpu
     says the CPU is meant."""
+    import torch
+
     name = device_name(name)
     if name == "auto":
         if torch.cuda.is_available():
@@ -70,7 +91,9 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    import torch
+
     name = dtype_name(name)
     if name == "auto":  # bf16 halves weight reads on the GPU; CPUs are fastest (and exact) in fp32
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    return DTYPES[name]
+    return _dtypes()[name]

@@ -410,13 +410,21 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
         model.lm_head = emb.head
     # what stays plain (LayerNorms, position and token embeddings) gets storage of its own: loaded tensors are views
     # of one buffer of the whole file (safetensors), which lives while any of them does; without this a GPT-2 XL
-    # server kept its 6.2 GB of fp32 weights as loaded beside the served copy
+    # server kept its 6.2 GB of fp32 weights as loaded beside the served copy. Only such views are copied (a tensor
+    # made since, as pad_vocab's table, owns its storage), and not the plain weights kept until `drop_plain`: they
+    # go soon, and copying them was most of GPT-2's 1.35 s here (docs/performance.md, "Start-up")
     for p in model.parameters():  # each once (a tied head shares its Parameter with the embedding)
-        p.data = p.data.clone()
+        p.data = _owned(p.data)
     for m in model.modules():
         for name, b in m.named_buffers(recurse=False):
-            setattr(m, name, b.clone())
+            if not (isinstance(m, PackedLinear) and name == "weight"):
+                setattr(m, name, _owned(b))
     return {"format": fmt, "swapped": swapped, "group": group if fmt == "int4" else None}
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its storage is its own, else a copy (a loaded tensor is a view of the file's buffer)."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 def drop_plain(model: nn.Module) -> None:
@@ -443,14 +451,20 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 @torch.inference_mode()
-def tune(model: nn.Module, repeats: int = 7) -> dict:
+def small_linear_forced() -> bool:
+    """GPT_SMALL_LINEAR=mkl|onednn: every one-row choice made by the user, none timed."""
+    return os.environ.get("GPT_SMALL_LINEAR", "auto") in ("mkl", "onednn")
+
+
+def tune(model: nn.Module, repeats: int = 7, known: dict | None = None) -> dict:
     """The one-row path of each PackedLinear shape, at the engine's warm-up (never a request's forward): where
     oneDNN rounds a lone 16-bit row unlike a batch's, the row runs as two (`_one_row_rounds_apart`); then, per
     shape of the fp32 ones, one row through oneDNN's packed copy is timed against MKL's GEMV on a column-major copy
     (interleaved, median ratio), and that copy (the weight's memory once more) is kept only where MKL is >= 10%
     faster.
-    `GPT_SMALL_LINEAR=mkl|onednn` forces either. Returns {(out, in): "mkl" | "onednn"}."""
-    forced = os.environ.get("GPT_SMALL_LINEAR", "auto")
+    `GPT_SMALL_LINEAR=mkl|onednn` forces either; `known` gives choices measured before on this CPU (the engine keeps
+    them on disk: engine.cpu_tuning.KernelChoices), which are not timed again. Returns {(out, in): "mkl" | "onednn"}."""
+    forced = os.environ.get("GPT_SMALL_LINEAR", "auto") if small_linear_forced() else None
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     narrow = [m for m in packed if m.dtype != torch.float32]
     for key in dict.fromkeys((m.out_features, m.in_features, m.dtype) for m in narrow):
@@ -461,8 +475,10 @@ def tune(model: nn.Module, repeats: int = 7) -> dict:
     layers = [m for m in packed if m.dtype == torch.float32]
     choice: dict[tuple, str] = {}
     for shape in dict.fromkeys((m.out_features, m.in_features) for m in layers):
-        if forced in ("mkl", "onednn"):
+        if forced:
             choice[shape] = forced
+        elif known and shape in known:
+            choice[shape] = known[shape]
         else:
             m = next(m for m in layers if (m.out_features, m.in_features) == shape)
             choice[shape] = "mkl" if _mkl_over_onednn(m, repeats) < 0.9 else "onednn"
@@ -488,7 +504,8 @@ def _one_row_rounds_apart(m: PackedLinear, rows: int = 64) -> bool:
 def _mkl_over_onednn(m: PackedLinear, repeats: int) -> float:
     """Median time ratio of one row through MKL's GEMV (column-major weight) to oneDNN's packed copy."""
     x = torch.randn(1, m.in_features)
-    cm = torch.randn(m.in_features, m.out_features).t()  # the same layout a kept copy would have
+    # the same layout a kept copy would have; from the weight itself where it was kept (randn: 0.24 s for GPT-2's head)
+    cm = (m.weight.t().contiguous() if m.weight is not None else torch.randn(m.in_features, m.out_features)).t()
     calls = max(1, min(5, int(5e6 // cm.numel())))  # ~20 ms a library at most, even for a large head
     runs = {"mkl": lambda: F.linear(x, cm, m.bias),
             "onednn": lambda: ONEDNN_LINEAR(x, m.packed, m.bias, "none", [], "")}

@@ -17,6 +17,14 @@ the row's last token of the step; the cache keeps what was accepted and the rest
 """
 
 from engine.spec_decode.config import SpecConfig, SpecError, parse_speculative
-from engine.spec_decode.speculator import Speculator
+
+
+def __getattr__(name: str):
+    """`Speculator` on first use (PEP 562): the server's settings parse `config` before torch loads (app/config.py)."""
+    if name == "Speculator":
+        from engine.spec_decode.speculator import Speculator
+
+        return Speculator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["SpecConfig", "SpecError", "Speculator", "parse_speculative"]

@@ -409,22 +409,16 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
         model.transformer.wte = emb
         model.lm_head = emb.head
     # what stays plain (LayerNorms, position and token embeddings) gets storage of its own: loaded tensors are views
-    # of one buffer of the whole file (safetensors), which lives while any of them does; without this a GPT-2 XL
-    # server kept its 6.2 GB of fp32 weights as loaded beside the served copy. Only such views are copied (a tensor
-    # made since, as pad_vocab's table, owns its storage), and not the plain weights kept until `drop_plain`: they
+    # of the file's memory map (safetensors), which lives while any of them does; without this a GPT-2 XL server kept
+    # its 6.2 GB of fp32 weights as loaded beside the served copy. Not the plain weights kept until `drop_plain`: they
     # go soon, and copying them was most of GPT-2's 1.35 s here (docs/performance.md, "Start-up")
     for p in model.parameters():  # each once (a tied head shares its Parameter with the embedding)
-        p.data = _owned(p.data)
+        p.data = p.data.clone()
     for m in model.modules():
         for name, b in m.named_buffers(recurse=False):
             if not (isinstance(m, PackedLinear) and name == "weight"):
-                setattr(m, name, _owned(b))
+                setattr(m, name, b.clone())
     return {"format": fmt, "swapped": swapped, "group": group if fmt == "int4" else None}
-
-
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    """t itself when its storage is its own, else a copy (a loaded tensor is a view of the file's buffer)."""
-    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 def drop_plain(model: nn.Module) -> None:

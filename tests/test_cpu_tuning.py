@@ -69,3 +69,4 @@ def test_a_second_engine_on_the_machine_times_no_kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("GPT_SMALL_LINEAR", "mkl")  # the user's choice is not written as a measurement
     ModelRunner(small_gpt(), n_slots=2, vocab_size=96, prepack=True, compile_cache=str(tmp_path))
     assert KernelChoices(tmp_path).load() == first.kernels
+

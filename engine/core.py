@@ -127,6 +127,7 @@ class EngineCore:
     compile_seconds = _runner_attr("compile_seconds")
     compile_source = _runner_attr("compile_source")
     warmup_error = _runner_attr("warmup_error")
+    warmup_seconds = _runner_attr("warmup_seconds")
     prefill_chunks = _runner_attr("prefill_chunks")
     prompt_tokens = _runner_attr("prompt_tokens")
     copied_tokens = _runner_attr("copied_tokens")
@@ -343,7 +344,8 @@ class EngineCore:
                 "generated_tokens": self.generated_tokens, "cuda_graphs": self._graphed is not None,
                 "compiled_decode": self._compiled is not None, "compiling": self._compiling is not None,
                 "compile_seconds": self.compile_seconds, "compile_source": self.compile_source,
-                "prepacked_layers": self.packed_layers, "weights": self.weights["format"],
+                "warmup_seconds": self.warmup_seconds, "prepacked_layers": self.packed_layers,
+                "weights": self.weights["format"],
                 "weight_bytes": self.weight_bytes, "kv_bytes": self.cache.nbytes(),
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "speculative": self.speculator.stats() if self.speculator is not None else None}

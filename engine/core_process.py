@@ -48,8 +48,18 @@ def _die_with_parent() -> None:
         pass
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc), None elsewhere: in the core, what its imports took."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int) -> None:
     """The child's main: load, report to the parent through `conn`, then serve the fronts until told to stop."""
+    t0, imports = time.perf_counter(), process_age()
     set_openmp_waits()  # read when torch loads libgomp, so before that
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -64,9 +74,15 @@ def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int) -> Non
         conn.send(("error", str(e)))
         sys.exit(1)
     info["malloc_keeps_freed_memory"] = malloc_tuned
+    built = time.perf_counter()
     if measure_threads:
         info["thread_choice"] = choose_threads(core, cfg.torch_threads)
         info["torch_threads"] = info["thread_choice"]["threads"]
+    # where this process's start went (/info `startup_seconds`; the warm-up after it: stats' `warmup_seconds`)
+    times = {"imports": None if imports is None else round(imports, 2), "load": info["load_seconds"],
+             "engine": round(built - t0 - info["load_seconds"], 2), "threads": round(time.perf_counter() - built, 2)}
+    info["startup_seconds"] = times
+    log.info("loaded: %s", ", ".join(f"{k} {v} s" for k, v in times.items() if v is not None))
     release_freed_memory()  # the weights as loaded, freed by the swap to their served format
     # imported here, not at the top: both load torch, and the spawned child imports this module before
     # set_openmp_waits runs

@@ -107,6 +107,7 @@ class ModelRunner:
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self._graphed = None
         self.warmup_error: str | None = None
+        self.warmup_seconds: float | None = None  # the warm-up's (EngineCore.warmup), once done
         self.compile_seconds: float | None = None  # the compiled decode step's start-up cost, once made
         self.compile_source: str | None = None  # "compiled" or "cache" (engine.compiled_decode)
         # counters of what it computed (read by EngineCore.stats())
@@ -241,6 +242,7 @@ class ModelRunner:
                 self._compile_decode()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            self.warmup_seconds = round(time.perf_counter() - t0, 2)
             log.info("warm-up done in %.0f ms", (time.perf_counter() - t0) * 1000)
         except Exception as e:
             self.warmup_error = f"warm-up generation failed: {type(e).__name__}: {e}"

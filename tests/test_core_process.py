@@ -222,6 +222,10 @@ def test_the_core_uses_every_cpu_by_default_and_the_flag_overrides_it(tiny_ckpt)
         info = httpx.get(url + "/info").json()
         assert info["torch_threads"] == 2
         assert info["malloc_keeps_freed_memory"] is True  # glibc here: the core process keeps freed blocks
+        times = info["startup_seconds"]  # where the core's start went, and its warm-up (done: /health said so)
+        assert set(times) == {"imports", "load", "engine", "threads"} and times["load"] == info["load_seconds"]
+        assert all(v >= 0 for v in times.values()) and times["imports"] > 0  # Linux: the imports before its main
+        assert info["engine"]["warmup_seconds"] > 0
     finally:
         proc.terminate()
         proc.wait(20)

@@ -71,6 +71,7 @@ async def info(service: ServiceDep) -> dict:
             "model_dtype": info.get("dtype"), "engine_mode": service.settings.engine, "engine_pid": info.get("pid"),
             "torch_threads": info.get("torch_threads"),
             "malloc_keeps_freed_memory": info.get("malloc_keeps_freed_memory"),
+            "load_seconds": info.get("load_seconds"), "startup_seconds": info.get("startup_seconds"),
             "weights": info.get("weights"), "weight_bytes": info.get("weight_bytes"),
             "kv_cache": info.get("kv_cache"), "kernels": info.get("kernels"),
             "dtype_choice": info.get("dtype_choice"), "thread_choice": info.get("thread_choice"),

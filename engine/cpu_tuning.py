@@ -226,6 +226,7 @@ class KernelChoices:
         entry = data.get(self.key()) if isinstance(data.get(self.key()), dict) else {}
         entry.update({f"{o}x{i}": c for (o, i), c in choices.items()})
         data[self.key()] = entry
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".kernels-")
@@ -234,3 +235,5 @@ class KernelChoices:
             os.replace(tmp, self.path)
         except OSError as e:
             log.warning("kernel choices not saved to %s (%s)", self.path, e)
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)

@@ -70,3 +70,13 @@ def test_a_second_engine_on_the_machine_times_no_kernel(tmp_path, monkeypatch):
     ModelRunner(small_gpt(), n_slots=2, vocab_size=96, prepack=True, compile_cache=str(tmp_path))
     assert KernelChoices(tmp_path).load() == first.kernels
 
+
+
+
+def test_a_folder_that_cannot_be_written_keeps_the_choices_for_this_process(tmp_path, caplog):
+    (tmp_path / "a-file").write_text("")
+    cache = KernelChoices(tmp_path / "a-file" / "cache")  # its folder cannot be made (even by root)
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        cache.save({(64, 64): "onednn"})  # no exception: the engine starts, and times them again next time
+    assert "not saved" in caplog.text and cache.load() == {}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no temporary file left behind

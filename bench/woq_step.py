@@ -7,7 +7,7 @@ that allocates Python objects on another CPU (as the HTTP front does: bench/neig
     taskset -c 0 python -m bench.woq_step --model gpt2
 
 A measurement before a build (issue 38's "fewer weight bytes" lead), not a served format: the eager int8 path is
-fbgemm's W8A8 (engine/model.linear.Int8Linear), whose numbers differ from these (bf16 activations), so a compiled
+fbgemm's W8A8 (model/linear.py `Int8Linear`), whose numbers differ from these (bf16 activations), so a compiled
 int8 step needs its own reference before it can serve. Variants: `fp32` (the engine's package), `woq8` (int8 per
 output row, bf16 activations and scales, the head too). Reports µs per step and the logits' largest difference.
 """

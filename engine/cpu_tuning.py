@@ -167,9 +167,10 @@ class KernelChoices:
         from engine.compiled_decode import default_cache_dir
 
         self.path = (Path(folder) if folder else default_cache_dir()) / "kernels.json"
+        self.key = self.machine_key()  # at this moment's thread count, which tune's timings are made at
 
     @staticmethod
-    def key() -> str:
+    def machine_key() -> str:
         """This CPU (its model name and flags), torch and its threads: what a timing depends on."""
         import hashlib
         import platform
@@ -204,7 +205,7 @@ class KernelChoices:
 
     def load(self) -> dict[tuple[int, int], str]:
         """The choices known for this key: {(out, in): "mkl" | "onednn"}."""
-        known = self._read().get(self.key(), {})
+        known = self._read().get(self.key, {})
         out = {}
         for shape, choice in known.items() if isinstance(known, dict) else ():
             try:
@@ -223,9 +224,10 @@ class KernelChoices:
         if not choices:
             return
         data = self._read()
-        entry = data.get(self.key()) if isinstance(data.get(self.key()), dict) else {}
+        entry = data.get(self.key)
+        entry = entry if isinstance(entry, dict) else {}
         entry.update({f"{o}x{i}": c for (o, i), c in choices.items()})
-        data[self.key()] = entry
+        data[self.key] = entry
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

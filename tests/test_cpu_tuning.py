@@ -32,13 +32,13 @@ def test_choices_round_trip_per_cpu_torch_and_threads(tmp_path):
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"KEY": {"64x64": "bogus", "axb": "mkl"}}'])
 def test_a_file_that_does_not_parse_is_measured_again_and_rewritten(tmp_path, caplog, text):
     path = tmp_path / "kernels.json"
-    path.write_text(text.replace("KEY", KernelChoices.key()))
+    path.write_text(text.replace("KEY", KernelChoices.machine_key()))
     cache = KernelChoices(tmp_path)
     with caplog.at_level(logging.WARNING, logger="engine"):
         assert cache.load() == {}  # unknown shapes and choices are dropped too
     assert ("do not load" in caplog.text) == text.startswith(("{not", "["))
     cache.save({(64, 64): "onednn"})
-    assert json.loads(path.read_text())[KernelChoices.key()]["64x64"] == "onednn"
+    assert json.loads(path.read_text())[KernelChoices.machine_key()]["64x64"] == "onednn"
 
 
 @needs_onednn

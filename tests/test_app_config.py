@@ -62,3 +62,18 @@ def test_settings_that_do_not_go_together_are_one_line_naming_them():
     with pytest.raises(SettingsError) as e:
         load_settings(speculative_ngram_min=5, speculative_ngram_max=3)
     assert str(e.value) == "invalid settings: speculative_ngram_min (5) must be <= speculative_ngram_max (3)"
+
+
+def test_the_settings_parse_without_torch():
+    """`python -m app` starts the engine core right after parsing its settings, before it imports torch and the
+    HTTP stack, so the two load side by side (app/__main__.py): importing the settings must not pull torch in."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, app.config, engine.core_process; from app.config import load_settings; "
+            "load_settings(checkpoint='checkpoints/shakespeare'); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

@@ -223,7 +223,8 @@ def test_the_core_uses_every_cpu_by_default_and_the_flag_overrides_it(tiny_ckpt)
         assert info["torch_threads"] == 2
         assert info["malloc_keeps_freed_memory"] is True  # glibc here: the core process keeps freed blocks
         times = info["startup_seconds"]  # where the core's start went, and its warm-up (done: /health said so)
-        assert set(times) == {"imports", "load", "engine", "threads"} and times["load"] == info["load_seconds"]
+        assert set(times) == {"imports", "load", "engine", "front_wait", "threads"}
+        assert times["load"] == info["load_seconds"]
         assert all(v >= 0 for v in times.values()) and times["imports"] > 0  # Linux: the imports before its main
         assert info["engine"]["warmup_seconds"] > 0
     finally:
@@ -284,6 +285,32 @@ def test_a_slow_step_keeps_every_thread_without_timing_more(tiny_ckpt, monkeypat
         assert got["threads"] == 2 and got["last_thread_gain"] is None and clock["calls"] == 5
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_thread_timing_waits_until_the_parent_is_quiet(monkeypatch):
+    """The core times its threads only once the parent has finished its own start (its imports compete for the
+    CPUs): the timing starts after the event is set, and without one it starts at once."""
+    import threading
+    import time
+
+    import engine.core_process as cp
+
+    called = []
+    monkeypatch.setattr(cp, "choose_threads", lambda core, n: called.append(time.monotonic()) or {"threads": n})
+    quiet = threading.Event()
+    set_at = []
+
+    def parent_done():
+        set_at.append(time.monotonic())
+        quiet.set()
+
+    threading.Timer(0.3, parent_done).start()
+    choice, waited = cp.choose_threads_quietly(None, 2, quiet)
+    assert choice == {"threads": 2} and set_at and called[0] >= set_at[0] and waited >= 0.25
+    choice, waited = cp.choose_threads_quietly(None, 2, threading.Event(), timeout=0.05)  # never set: times anyway
+    assert choice == {"threads": 2} and 0.04 <= waited < 1
+    choice, waited = cp.choose_threads_quietly(None, 2, None)
+    assert waited < 0.05 and len(called) == 3
 
 
 def test_the_malloc_tuning_leaves_glibcs_own_settings_alone(monkeypatch):

@@ -167,9 +167,10 @@ def resolve_kv_dtype(cfg: CoreConfig, dtype):
     return dtype if cfg.kv_cache_dtype == "auto" else DTYPES[cfg.kv_cache_dtype]
 
 
-def build_core(cfg: CoreConfig, loaded=None):
+def build_core(cfg: CoreConfig, loaded=None, before_timing=None):
     """The engine core for a loaded checkpoint (loading it when not given): (core, info, classify). The one place
-    the server's settings become an EngineCore, for the core process and the in-process mode alike."""
+    the server's settings become an EngineCore, for the core process and the in-process mode alike.
+    `before_timing`: called before the engine's first start-up timing (engine.runner.ModelRunner)."""
     import torch
 
     from engine.core import EngineCore
@@ -204,7 +205,8 @@ def build_core(cfg: CoreConfig, loaded=None):
                           prepack=cfg.prepack_weights, quantize=cfg.quantize, int4_group=cfg.int4_group_size,
                           kv_dtype=kv_dtype, speculative=spec, draft_model=draft, compile=cfg.compile,
                           compile_max_batch=cfg.compile_max_batch, compile_cache=cfg.compile_cache,
-                          tokenizer=ckpt.tokenizer)  # structured output compiles grammars against it
+                          tokenizer=ckpt.tokenizer,  # structured output compiles grammars against it
+                          before_timing=before_timing)
     except FormatError as e:
         raise StartupError(f"cannot serve {cfg.checkpoint} as {cfg.quantize} (--quantize) in "
                            f"{DTYPE_NAMES.get(dtype, dtype)} (--dtype): {e}") from None

@@ -85,12 +85,14 @@ class EngineCore:
                  prepack: bool = False, quantize: str = "none", int4_group: int = DEFAULT_INT4_GROUP,
                  kv_dtype: torch.dtype | None = None, speculative: SpecConfig | None = None,
                  draft_model: GPT | None = None, compile: str = "off",
-                 compile_max_batch: int = DEFAULT_COMPILE_MAX_BATCH, compile_cache: str | None = None) -> None:
+                 compile_max_batch: int = DEFAULT_COMPILE_MAX_BATCH, compile_cache: str | None = None,
+                 before_timing=None) -> None:
         # the model and what computes with it: weights' format, KV cache, sampler, CUDA graphs, compiled step
         self.runner = ModelRunner(model, n_slots=n_slots, vocab_size=vocab_size, eos_id=eos_id, max_len=max_len,
                                   cuda_graphs=cuda_graphs, pad_vocab=pad_vocab, prepack=prepack, quantize=quantize,
                                   int4_group=int4_group, kv_dtype=kv_dtype, compile=compile,
-                                  compile_max_batch=compile_max_batch, compile_cache=compile_cache)
+                                  compile_max_batch=compile_max_batch, compile_cache=compile_cache,
+                                  before_timing=before_timing)
         # prefix caching (engine.prefix_cache): off here; the server turns it on (GPT_PREFIX_CACHE)
         self.scheduler = Scheduler(n_slots, prefill_chunk, eos_id, prefix_cache=prefix_cache, min_prefix=min_prefix,
                                    idle_prefill_chunk=idle_prefill_chunk)

@@ -57,20 +57,20 @@ def process_age() -> float | None:
         return None
 
 
-# the longest the core waits for its parent to finish starting before timing its threads anyway
+# the longest the core waits for its parent to finish starting before its timings go ahead anyway
 QUIET_WAIT_S = 60.0
 
 
-def choose_threads_quietly(core, n: int, quiet=None, timeout: float = QUIET_WAIT_S) -> tuple[dict[str, Any], float]:
-    """`choose_threads` once `quiet` is set (the parent has finished its own start and only waits for this one):
-    (the choice, seconds waited). The timing needs the CPUs to itself: the parent imports the HTTP stack meanwhile
-    (app/__main__.py), and a step timed beside that took 5-11 ms instead of 2.3 (an OpenMP barrier waiting on a
-    thread the import displaced), which chose every thread for the bundled model, where one serves streams faster."""
+def wait_quiet(quiet=None, timeout: float = QUIET_WAIT_S) -> float:
+    """Wait until `quiet` is set (the parent has finished its own start and only waits for this process); the
+    seconds waited. The core's timings at start-up (tune's kernel choice per shape, kept on disk; the thread count)
+    need the CPUs to themselves, and the parent imports the HTTP stack meanwhile (app/__main__.py): a one-row step
+    timed beside that took 5-11 ms instead of 2.3 (an OpenMP barrier waiting on a thread the import displaced),
+    which chose every thread for the bundled model, where one serves a stream 1.2-1.5x faster through HTTP."""
     t0 = time.perf_counter()
     if quiet is not None:
         quiet.wait(timeout)
-    waited = time.perf_counter() - t0
-    return choose_threads(core, n), waited
+    return time.perf_counter() - t0
 
 
 def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int, quiet=None) -> None:
@@ -85,21 +85,27 @@ def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int, quiet=
     measure_threads = not cfg.torch_threads
     cfg.torch_threads = core_threads(cfg)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s:     [core] %(message)s")
+    waits: list[float] = []  # loading and converting the weights run beside the parent's imports, timings after them
+
+    def before_timing() -> None:
+        if not waits:
+            waits.append(wait_quiet(quiet))
+
     try:
-        core, info, classify = build_core(cfg)
+        core, info, classify = build_core(cfg, before_timing=before_timing)
     except StartupError as e:
         conn.send(("error", str(e)))
         sys.exit(1)
     info["malloc_keeps_freed_memory"] = malloc_tuned
-    built = time.perf_counter()
-    waited = 0.0
+    built, in_build = time.perf_counter(), sum(waits)
     if measure_threads:
-        info["thread_choice"], waited = choose_threads_quietly(core, cfg.torch_threads, quiet)
+        before_timing()  # where the engine had nothing to time
+        info["thread_choice"] = choose_threads(core, cfg.torch_threads)
         info["torch_threads"] = info["thread_choice"]["threads"]
     # where this process's start went (/info `startup_seconds`; the warm-up after it: stats' `warmup_seconds`)
     times = {"imports": None if imports is None else round(imports, 2), "load": info["load_seconds"],
-             "engine": round(built - t0 - info["load_seconds"], 2), "front_wait": round(waited, 2),
-             "threads": round(time.perf_counter() - built - waited, 2)}
+             "front_wait": round(sum(waits), 2), "engine": round(built - t0 - info["load_seconds"] - in_build, 2),
+             "threads": round(time.perf_counter() - built - (sum(waits) - in_build), 2)}
     info["startup_seconds"] = times
     log.info("loaded: %s", ", ".join(f"{k} {v} s" for k, v in times.items() if v is not None))
     release_freed_memory()  # the weights as loaded, freed by the swap to their served format

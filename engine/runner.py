@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -63,7 +64,10 @@ class ModelRunner:
                  max_len: int | None = None, cuda_graphs: bool | None = None, pad_vocab: bool = True,
                  prepack: bool = False, quantize: str = "none", int4_group: int = DEFAULT_INT4_GROUP,
                  kv_dtype: torch.dtype | None = None, compile: str = "off",
-                 compile_max_batch: int = DEFAULT_COMPILE_MAX_BATCH, compile_cache: str | None = None) -> None:
+                 compile_max_batch: int = DEFAULT_COMPILE_MAX_BATCH, compile_cache: str | None = None,
+                 before_timing: Callable[[], object] | None = None) -> None:
+        """`before_timing`: called before the first start-up timing (the core process waits there for its front's
+        imports to end, engine.core_process.wait_quiet)."""
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -95,6 +99,8 @@ class ModelRunner:
             # through a GEMM), and when compiling for good: the graph reads them (eager keeps its kernels)
             self.weights = convert(model, quantize, int4_group, keep_plain=True)
             if self.device.type == "cpu":
+                if before_timing is not None:
+                    before_timing()
                 choices = KernelChoices(compile_cache)
                 self.kernels = tune(model, known=choices.load())
                 if not small_linear_forced():  # GPT_SMALL_LINEAR's choice is not a measurement

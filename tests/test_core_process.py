@@ -287,16 +287,15 @@ def test_a_slow_step_keeps_every_thread_without_timing_more(tiny_ckpt, monkeypat
         torch.set_num_threads(before)
 
 
-def test_the_thread_timing_waits_until_the_parent_is_quiet(monkeypatch):
-    """The core times its threads only once the parent has finished its own start (its imports compete for the
-    CPUs): the timing starts after the event is set, and without one it starts at once."""
+def test_the_timings_wait_until_the_parent_is_quiet():
+    """The core's start-up timings (kernel choices, threads) go ahead once the parent has finished its own start
+    (its imports compete for the CPUs): not before the event is set; at once without one; after the timeout if the
+    parent never sets it."""
     import threading
     import time
 
-    import engine.core_process as cp
+    from engine.core_process import wait_quiet
 
-    called = []
-    monkeypatch.setattr(cp, "choose_threads", lambda core, n: called.append(time.monotonic()) or {"threads": n})
     quiet = threading.Event()
     set_at = []
 
@@ -305,12 +304,10 @@ def test_the_thread_timing_waits_until_the_parent_is_quiet(monkeypatch):
         quiet.set()
 
     threading.Timer(0.3, parent_done).start()
-    choice, waited = cp.choose_threads_quietly(None, 2, quiet)
-    assert choice == {"threads": 2} and set_at and called[0] >= set_at[0] and waited >= 0.25
-    choice, waited = cp.choose_threads_quietly(None, 2, threading.Event(), timeout=0.05)  # never set: times anyway
-    assert choice == {"threads": 2} and 0.04 <= waited < 1
-    choice, waited = cp.choose_threads_quietly(None, 2, None)
-    assert waited < 0.05 and len(called) == 3
+    waited = wait_quiet(quiet)
+    assert set_at and time.monotonic() >= set_at[0] and waited >= 0.25
+    assert 0.04 <= wait_quiet(threading.Event(), timeout=0.05) < 1
+    assert wait_quiet(None) < 0.05
 
 
 def test_the_malloc_tuning_leaves_glibcs_own_settings_alone(monkeypatch):

@@ -47,7 +47,7 @@ def test_tune_times_only_the_shapes_it_does_not_know(monkeypatch):
     L.convert(model, "none", keep_plain=True)
     timed = []
     monkeypatch.delenv("GPT_SMALL_LINEAR", raising=False)
-    monkeypatch.setattr(L, "_mkl_over_onednn", lambda m, repeats: timed.append(m.out_features) or 1.0)
+    monkeypatch.setattr(L, "_mkl_over_onednn", lambda m, repeats, cold=False: timed.append(m.out_features) or 1.0)
     known = {(192, 64): "onednn", (64, 64): "onednn", (256, 64): "onednn", (64, 256): "onednn", (96, 64): "mkl"}
     assert L.tune(model, known={k: v for k, v in known.items() if k != (64, 64)}) == known | {(64, 64): "onednn"}
     assert timed == [64]
@@ -60,7 +60,8 @@ def test_a_second_engine_on_the_machine_times_no_kernel(tmp_path, monkeypatch):
     monkeypatch.delenv("GPT_SMALL_LINEAR", raising=False)
     timed = []
     real = L._mkl_over_onednn
-    monkeypatch.setattr(L, "_mkl_over_onednn", lambda m, repeats: timed.append(m.out_features) or real(m, repeats))
+    monkeypatch.setattr(L, "_mkl_over_onednn",
+                        lambda m, repeats, cold=False: timed.append(m.out_features) or real(m, repeats))
     first = ModelRunner(small_gpt(), n_slots=2, vocab_size=96, prepack=True, compile_cache=str(tmp_path))
     assert len(timed) == len(first.kernels) > 0
     timed.clear()
@@ -71,6 +72,24 @@ def test_a_second_engine_on_the_machine_times_no_kernel(tmp_path, monkeypatch):
     assert KernelChoices(tmp_path).load() == first.kernels
 
 
+
+
+def test_the_kernel_timings_come_after_the_engines_before_timing_hook(tmp_path, monkeypatch):
+    """The core process waits there for its front's imports to end (engine.core_process.wait_quiet): every kernel
+    timing comes after the hook, and the weights are already converted when it is called."""
+    monkeypatch.delenv("GPT_SMALL_LINEAR", raising=False)
+    events = []
+    real = L._mkl_over_onednn
+    monkeypatch.setattr(L, "_mkl_over_onednn",
+                        lambda m, repeats, cold=False: events.append("timed") or real(m, repeats))
+    model = small_gpt()
+
+    def hook():
+        events.append("hook")
+        assert any(isinstance(m, L.PackedLinear) for m in model.modules())  # converted before the wait
+
+    ModelRunner(model, n_slots=2, vocab_size=96, prepack=True, compile_cache=str(tmp_path), before_timing=hook)
+    assert events[0] == "hook" and events.count("hook") == 1 and "timed" in events
 
 
 def test_a_folder_that_cannot_be_written_keeps_the_choices_for_this_process(tmp_path, caplog):

@@ -66,6 +66,28 @@ def test_packed_linear_equals_f_linear(rows, dtype, tol):
 
 
 @needs_onednn
+def test_tune_times_from_memory_a_model_larger_than_the_cache(monkeypatch):
+    """A decode step reads each weight once: tune times the kernels with cached weights only where the whole model
+    fits the last-level cache, and otherwise reads a new copy each call (the cold path runs and gives a ratio)."""
+    from model import cpu_support
+
+    monkeypatch.delenv("GPT_SMALL_LINEAR", raising=False)
+    seen = []
+    real = L._mkl_over_onednn
+    monkeypatch.setattr(L, "_mkl_over_onednn", lambda m, repeats, cold=False: seen.append(cold) or real(m, 1, cold))
+    model = small_gpt()
+    L.convert(model, "none", keep_plain=True)
+    total = sum(m.in_features * m.out_features * 4 for m in model.modules() if isinstance(m, L.PackedLinear))
+    monkeypatch.setattr(cpu_support, "last_level_cache_bytes", lambda: total + 1)
+    L.tune(model)
+    assert seen and not any(seen)
+    seen.clear()
+    monkeypatch.setattr(cpu_support, "last_level_cache_bytes", lambda: total // 8)  # a few copies of each
+    L.tune(model)
+    assert seen and all(seen)
+    assert real(next(m for m in model.modules() if isinstance(m, L.PackedLinear)), 1, True) > 0
+
+
 def test_tune_keeps_a_column_major_copy_only_where_mkl_is_chosen(monkeypatch):
     model = small_gpt()
     L.convert(model, "none")
@@ -87,7 +109,7 @@ def test_tune_keeps_a_column_major_copy_only_where_mkl_is_chosen(monkeypatch):
     fresh = small_gpt()
     L.convert(fresh, "none")
     monkeypatch.setenv("GPT_SMALL_LINEAR", "auto")
-    monkeypatch.setattr(L, "_mkl_over_onednn", lambda m, repeats: 0.5 if m.out_features == 96 else 1.0)
+    monkeypatch.setattr(L, "_mkl_over_onednn", lambda m, repeats, cold=False: 0.5 if m.out_features == 96 else 1.0)
     assert L.tune(fresh) == {(192, 64): "onednn", (64, 64): "onednn", (256, 64): "onednn", (64, 256): "onednn",
                              (96, 64): "mkl"}  # the timing's verdict per shape; a copy only where MKL won
     assert [m.out_features for m in fresh.modules() if isinstance(m, L.PackedLinear) and m.column_major is not None] \

@@ -282,7 +282,32 @@ def test_a_slow_step_keeps_every_thread_without_timing_more(tiny_ckpt, monkeypat
     monkeypatch.setattr(ct.time, "perf_counter", lambda: clock["t"])
     try:
         got = choose_threads(core, 2)
-        assert got["threads"] == 2 and got["last_thread_gain"] is None and clock["calls"] == 5
+        assert got["threads"] == 2 and got["last_thread_gain"] is None and clock["calls"] == 6
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_step_slowed_by_a_busy_cpu_is_timed_against_fewer_threads(tiny_ckpt, monkeypatch):
+    """Every thread waits on one that another process displaced: a step slow at n threads but fast at n - 1 is timed
+    both ways (interleaved) and keeps n - 1, instead of taking every thread untimed."""
+    import torch
+
+    import engine.cpu_tuning as ct
+
+    core, _, _ = build_core(CoreConfig(checkpoint=str(tiny_ckpt), device="cpu", warmup=False))
+    before = torch.get_num_threads()
+    clock = {"t": 0.0}
+    model_forward = core.model.forward_cached
+
+    def contended(*a, **k):
+        clock["t"] += 0.010 if torch.get_num_threads() == 2 else 0.002
+        return model_forward(*a, **k)
+
+    monkeypatch.setattr(core.model, "forward_cached", contended)
+    monkeypatch.setattr(ct.time, "perf_counter", lambda: clock["t"])
+    try:
+        got = choose_threads(core, 2)
+        assert got["threads"] == 1 and got["chosen"] == "n-1" and got["last_thread_gain"] == pytest.approx(0.2)
     finally:
         torch.set_num_threads(before)
 

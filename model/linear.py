@@ -509,7 +509,9 @@ def _mkl_over_onednn(m: PackedLinear, repeats: int, cold: bool = False) -> float
     n = max(1, min(-(-2 * cpu_support.last_level_cache_bytes() // nbytes), (256 << 20) // nbytes)) if cold else 1
     cms = [cm] + [cm.clone() for _ in range(n - 1)]
     packs = [m.packed] + [m.packed.clone() for _ in range(n - 1)]
-    calls = max(1, min(5, int(5e6 // cm.numel()))) * n  # ~20 ms a library at most, even for a large head
+    # in cache ~20 ms a library at most, even for a large head; from memory each call reads the next copy (GPT-2's
+    # five shapes: ~2 s at a machine's first start, kept on disk after: engine.cpu_tuning.KernelChoices)
+    calls = max(1, min(5, int(5e6 // cm.numel()))) * n
     turn = {"mkl": 0, "onednn": 0}
 
     def mkl():

@@ -510,7 +510,7 @@ def _mkl_over_onednn(m: PackedLinear, repeats: int, cold: bool = False) -> float
     cms = [cm] + [cm.clone() for _ in range(n - 1)]
     packs = [m.packed] + [m.packed.clone() for _ in range(n - 1)]
     # in cache ~20 ms a library at most, even for a large head; from memory each call reads the next copy (GPT-2's
-    # five shapes: ~2 s at a machine's first start, kept on disk after: engine.cpu_tuning.KernelChoices)
+    # five shapes: under a second by count, at a machine's first start; kept on disk: engine.cpu_tuning.KernelChoices)
     calls = max(1, min(5, int(5e6 // cm.numel()))) * n
     turn = {"mkl": 0, "onednn": 0}
 

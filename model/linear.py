@@ -29,6 +29,7 @@ keep `output` at 6 bits).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import time
@@ -512,17 +513,9 @@ def _mkl_over_onednn(m: PackedLinear, repeats: int, cold: bool = False) -> float
     # in cache ~20 ms a library at most, even for a large head; from memory each call reads the next copy (GPT-2's
     # five shapes: under a second by count, at a machine's first start; kept on disk: engine.cpu_tuning.KernelChoices)
     calls = max(1, min(5, int(5e6 // cm.numel()))) * n
-    turn = {"mkl": 0, "onednn": 0}
-
-    def mkl():
-        turn["mkl"] = (turn["mkl"] + 1) % n
-        return F.linear(x, cms[turn["mkl"]], m.bias)
-
-    def onednn():
-        turn["onednn"] = (turn["onednn"] + 1) % n
-        return ONEDNN_LINEAR(x, packs[turn["onednn"]], m.bias, "none", [], "")
-
-    runs = {"mkl": mkl, "onednn": onednn}
+    next_cm, next_pack = itertools.cycle(cms), itertools.cycle(packs)
+    runs = {"mkl": lambda: F.linear(x, next(next_cm), m.bias),
+            "onednn": lambda: ONEDNN_LINEAR(x, next(next_pack), m.bias, "none", [], "")}
     for f in runs.values():  # first calls set up threads and primitives
         for _ in range(2):
             f()

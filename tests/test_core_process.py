@@ -330,7 +330,7 @@ def test_the_timings_wait_until_the_parent_is_quiet():
 
     threading.Timer(0.3, parent_done).start()
     waited = wait_quiet(quiet)
-    assert set_at and time.monotonic() >= set_at[0] and waited >= 0.25
+    assert set_at and waited >= 0.25  # returned only after the parent said so
     assert 0.04 <= wait_quiet(threading.Event(), timeout=0.05) < 1
     assert wait_quiet(None) < 0.05
 

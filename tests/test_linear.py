@@ -88,6 +88,7 @@ def test_tune_times_from_memory_a_model_larger_than_the_cache(monkeypatch):
     assert real(next(m for m in model.modules() if isinstance(m, L.PackedLinear)), 1, True) > 0
 
 
+@needs_onednn
 def test_tune_keeps_a_column_major_copy_only_where_mkl_is_chosen(monkeypatch):
     model = small_gpt()
     L.convert(model, "none")

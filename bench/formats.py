@@ -37,9 +37,10 @@ VAL_BYTES = 111540  # the last 10% of tinyshakespeare: the bundled model's held-
 
 
 def one_round(fmt: str, batches: list[int], new_tokens: int, threads: int | None,
-              prompt_tokens: int = 32, checkpoint: str | None = None) -> dict[str, Any]:
-    """In this process: build the core for `fmt`, time decode steps (after `prompt_tokens`-token prompts) and a
-    long prefill."""
+              prompt_tokens: int = 32, checkpoint: str | None = None, spread: int = 0) -> dict[str, Any]:
+    """In this process: build the core for `fmt`, time decode steps (after `prompt_tokens`-token prompts; with
+    `spread`, row i's prompt is (i * 37) % (spread + 1) tokens shorter, so the rows decode at different lengths, as
+    streams that started at different times do) and a long prefill."""
     import torch
 
     from engine.build import CoreConfig, build_core
@@ -61,7 +62,8 @@ def one_round(fmt: str, batches: list[int], new_tokens: int, threads: int | None
         budget = core.max_len - prompt_tokens
         ids = [f"{b}-{i}" for i in range(b)]
         for i, rid in enumerate(ids):
-            prompt = torch.randint(0, core.vocab_size - 1, (prompt_tokens,), generator=g).tolist()
+            n = prompt_tokens - (i * 37) % (spread + 1)
+            prompt = torch.randint(0, core.vocab_size - 1, (n,), generator=g).tolist()
             core.add(EngineRequest(rid, prompt, SamplingParams(max_new_tokens=budget, temperature=0), seed=i))
         times = []
         while core.has_work() and len(times) < new_tokens:
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--prompt-tokens", type=int, default=32, help="each decoding row's prompt")
+    p.add_argument("--length-spread", type=int, default=0,
+                   help="row i's prompt is (i * 37) %% (N + 1) tokens shorter: rows decode at different lengths")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-quality", action="store_true")
@@ -121,11 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     if args.one_round:
         print(json.dumps(one_round(args.one_round, batches, args.new_tokens, args.threads, args.prompt_tokens,
-                                   args.checkpoint)))
+                                   args.checkpoint, args.length_spread)))
         return 0
     fmts = args.formats.split(",")
     if unknown := [f for f in fmts if f not in FORMATS and f not in KV_VARIANTS]:
         p.error(f"unknown format(s) {', '.join(unknown)}: use {', '.join([*FORMATS, *KV_VARIANTS])}")
+    if not 0 <= args.length_spread < args.prompt_tokens:
+        p.error(f"--length-spread ({args.length_spread}) must be >= 0 and below --prompt-tokens ({args.prompt_tokens})")
     if args.prompt_tokens < 1 or args.prompt_tokens + args.new_tokens >= 1024:  # GPT-2's context
         p.error(f"--prompt-tokens ({args.prompt_tokens}) must be >= 1 and leave room for --new-tokens "
                 f"({args.new_tokens}) in GPT-2's 1,024-token context")
@@ -135,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for f in (fmts if r % 2 == 0 else fmts[::-1]):
             cmd = [sys.executable, "-m", "bench.formats", "--one-round", f, "--batches", args.batches,
-                   "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
+                   "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens),
+                   "--length-spread", str(args.length_spread)]
             cmd += ["--threads", str(args.threads)] if args.threads else []
             cmd += ["--checkpoint", args.checkpoint] if args.checkpoint else []
             res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -167,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {"env": env_info(), "cpu": support().describe(),
             "model": f"{args.checkpoint or 'random GPT-2 124M'} (speed); checkpoints/shakespeare (quality)",
             "batches": batches, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
+            "length_spread": args.length_spread,
             "rounds": args.rounds, "formats": results}
     print(json.dumps({f: {k: v for k, v in r.items() if k != "rounds"} for f, r in results.items()}, indent=1))
     print(f"wrote {write_result(args.out, data)}")

@@ -32,7 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from engine.build import CoreConfig, StartupError, build_core
-from engine.cpu_tuning import choose_threads, core_threads, keep_freed_memory, release_freed_memory, set_openmp_waits
+from engine.cpu_tuning import (
+    THREADS,
+    KernelChoices,
+    choose_threads,
+    core_threads,
+    keep_freed_memory,
+    release_freed_memory,
+    set_openmp_waits,
+    thread_model_key,
+)
 
 log = logging.getLogger("engine")
 
@@ -73,6 +82,26 @@ def wait_quiet(quiet=None, timeout: float = QUIET_WAIT_S) -> float:
     return time.perf_counter() - t0
 
 
+def kept_thread_choice(core, cfg, before_timing) -> dict:
+    """`choose_threads`' choice, made on this machine's first start for this model and format and kept on disk with
+    the kernel choices (engine.cpu_tuning.KernelChoices): a later start neither times it (0.1-0.4 s) nor makes it
+    beside whatever else happens to run then (a training run beside a start chose 2 threads for the bundled
+    model, 0.7x its speed with 1: docs/performance.md). /info's `thread_choice.kept` says which."""
+    import torch
+
+    choices, model = KernelChoices(cfg.compile_cache), thread_model_key(core)
+    kept = choices.kept(THREADS + model)
+    if isinstance(kept, int) and not isinstance(kept, bool) and 0 < kept <= cfg.torch_threads:
+        torch.set_num_threads(kept)
+        log.info("torch threads: %d of %d, kept from an earlier start (%s)", kept, cfg.torch_threads, choices.path)
+        return {"threads": kept, "cores": cfg.torch_threads, "one_row_step_ms": None, "last_thread_gain": None,
+                "chosen": "all" if kept == cfg.torch_threads else "n-1", "kept": True}
+    before_timing()  # where the engine had nothing to time
+    choice = choose_threads(core, cfg.torch_threads)
+    choices.keep(THREADS + model, choice["threads"])
+    return {**choice, "kept": False}
+
+
 def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int, quiet=None) -> None:
     """The child's main: load, report to the parent through `conn`, then serve the fronts until told to stop.
     `quiet` (an Event, optional): set by the parent once it has nothing else to do but wait for this process."""
@@ -99,8 +128,7 @@ def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int, quiet=
     info["malloc_keeps_freed_memory"] = malloc_tuned
     built, in_build = time.perf_counter(), sum(waits)
     if measure_threads:
-        before_timing()  # where the engine had nothing to time
-        info["thread_choice"] = choose_threads(core, cfg.torch_threads)
+        info["thread_choice"] = kept_thread_choice(core, cfg, before_timing)
         info["torch_threads"] = info["thread_choice"]["threads"]
     # where this process's start went (/info `startup_seconds`; the warm-up after it: stats' `warmup_seconds`)
     times = {"imports": None if imports is None else round(imports, 2), "load": info["load_seconds"],

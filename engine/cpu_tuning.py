@@ -35,14 +35,16 @@ def serving_dtype(cfg, device, dtype) -> tuple[Any, dict | None]:
     unquantized weights is bf16 where the CPU computes bf16 natively (avx512_bf16 or AMX in its flags) and a one-off
     timing at load finds the model's widest matmul (n_embd → 4·n_embd, oneDNN's packed weight) at least 1.15x faster
     in bf16 at 1 and at 16 rows; else fp32 (the reference): on an AVX2-only CPU oneDNN emulates bf16 and it is slower
-    (docs/api.md, "Formats per CPU"). The choice is made once per process and shape (load_model, then build_core
-    reports it)."""
+    (docs/api.md, "Formats per CPU"). The choice is made once per machine and shape and kept on disk with the kernel
+    choices (`KernelChoices`: the same key, the compile cache's folder), so a restart serves the same numbers;
+    load_model makes it, build_core reports it (/info `dtype_choice.kept`)."""
     import torch
 
     if cfg.dtype != "auto" or device.type != "cpu" or cfg.quantize != "none":
         return dtype, None
     from model import cpu_support
     from model.checkpoint import read_config
+    from model.device import DTYPES
     from model.linear import ONEDNN_LINEAR, time_dtypes
 
     try:
@@ -57,11 +59,16 @@ def serving_dtype(cfg, device, dtype) -> tuple[Any, dict | None]:
             why = "no native bf16 (avx512_bf16 / amx_bf16)" if not native else \
                 f"oneDNN does not pack bf16 here (needs {cpu_support.PACKED_BF16_NEEDS})"
             _DTYPE_CHOICES[key] = (torch.float32, {"picked": "fp32", "why": why})
+        elif (kept := (choices := KernelChoices(cfg.compile_cache)).kept(f"dtype {n_embd}")) in ("bf16", "fp32"):
+            # kept from this machine's first start: a borderline timing flipped between starts here (bundled model,
+            # avx512_bf16: bf16 one start, fp32 the next), and with it a seeded request's tokens
+            _DTYPE_CHOICES[key] = (DTYPES[kept], {"picked": kept, "cpu_flags": native, "kept": True})
         else:
             ms = time_dtypes(n_embd, 4 * n_embd)
             fast = all(ms["bf16"][r] * BF16_SPEEDUP <= ms["fp32"][r] for r in ms["fp32"])
-            _DTYPE_CHOICES[key] = (torch.bfloat16 if fast else torch.float32, {
-                "picked": "bf16" if fast else "fp32", "cpu_flags": native,
+            picked = "bf16" if fast else "fp32"
+            choices.keep(f"dtype {n_embd}", picked)
+            _DTYPE_CHOICES[key] = (DTYPES[picked], {"picked": picked, "cpu_flags": native, "kept": False,
                 "ms": {name: {str(r): round(t, 4) for r, t in v.items()} for name, v in ms.items()}})
     return _DTYPE_CHOICES[key]
 
@@ -158,11 +165,24 @@ def release_freed_memory() -> None:
         pass
 
 
+# the entry of a kept thread choice beside the kernels' "OUTxIN" ones: "threads " + thread_model_key(...)
+THREADS = "threads "
+
+
+def thread_model_key(core) -> str:
+    """What a one-row step's thread choice depends on besides the machine: the model's shape and the formats of
+    its weights and cache (an engine.core.EngineCore)."""
+    c, r = core.model.config, core.runner
+    return (f"{c.n_layer}x{c.n_embd}/{c.n_head} vocab {c.vocab_size} weights {r.weights['format']} {r.dtype} "
+            f"cache {r.kv_dtype}").replace("torch.", "")
+
+
 class KernelChoices:
-    """`model.linear.tune`'s one-row kernel choices, kept on disk per CPU, torch version and thread count (the JSON
-    file `kernels.json` in the compile cache's folder), so only a machine's first start times them (GPT-2: ~1 s of
-    start-up, docs/performance.md, "Start-up"). A file that does not parse is measured again and rewritten, with one
-    log line; a folder that cannot be written keeps them for this process only."""
+    """`model.linear.tune`'s one-row kernel choices and `choose_threads`' thread count, kept on disk per CPU, torch
+    version and thread count (the JSON file `kernels.json` in the compile cache's folder), so only a machine's first
+    start times them (GPT-2: ~1 s of start-up, docs/performance.md, "Start-up"). A file that does not parse is
+    measured again and rewritten, with one log line; a folder that cannot be written keeps them for this process
+    only."""
 
     def __init__(self, folder: str | os.PathLike | None = None) -> None:
         from pathlib import Path
@@ -222,16 +242,28 @@ class KernelChoices:
         return out
 
     def save(self, choices: dict[tuple[int, int], str]) -> None:
-        """Merge `choices` into the file under this key (written whole: a crash leaves the old file or the new)."""
+        """Merge `choices` into the file under this key."""
+        self._merge({f"{o}x{i}": c for (o, i), c in choices.items()})
+
+    def kept(self, name: str) -> Any:
+        """The entry `name` kept under this key (a thread count, a dtype), as read: the caller checks it."""
+        known = self._read().get(self.key, {})
+        return known.get(name) if isinstance(known, dict) else None
+
+    def keep(self, name: str, value: Any) -> None:
+        self._merge({name: value})
+
+    def _merge(self, entries: dict) -> None:
+        """Merge `entries` into the file under this key (written whole: a crash leaves the old file or the new)."""
         import json
         import tempfile
 
-        if not choices:
+        if not entries:
             return
         data = self._read()
         entry = data.get(self.key)
         entry = entry if isinstance(entry, dict) else {}
-        entry.update({f"{o}x{i}": c for (o, i), c in choices.items()})
+        entry.update(entries)
         data[self.key] = entry
         tmp = None
         try:

@@ -15,7 +15,14 @@ import httpx
 import pytest
 
 from engine.build import CoreConfig, build_core
-from engine.cpu_tuning import THREAD_GAIN, choose_threads, core_threads, keep_freed_memory
+from engine.cpu_tuning import (
+    THREAD_GAIN,
+    KernelChoices,
+    choose_threads,
+    core_threads,
+    keep_freed_memory,
+    thread_model_key,
+)
 from tests.app_helpers import (
     app_client,
     hang_up_when,
@@ -338,3 +345,59 @@ def test_the_timings_wait_until_the_parent_is_quiet():
 def test_the_malloc_tuning_leaves_glibcs_own_settings_alone(monkeypatch):
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert keep_freed_memory() is False
+
+
+def test_the_thread_choice_is_kept_per_machine_model_and_format(tiny_ckpt, tmp_path, monkeypatch):
+    """engine.core_process.kept_thread_choice: the first start times the thread count and keeps it beside the
+    kernel choices; a later start of the same model and format takes it untimed (no wait for the parent either);
+    another cache dtype, a kept count above the cores now given, or an entry that is not a count is timed again."""
+    import dataclasses
+
+    import torch
+
+    import engine.core_process as cp
+
+    timed, waited = [], []
+
+    def fake_choose(core, n):
+        timed.append(n)
+        torch.set_num_threads(n - 1)
+        return {"threads": n - 1, "cores": n, "one_row_step_ms": 2.0, "last_thread_gain": 1.01, "chosen": "n-1"}
+
+    monkeypatch.setattr(cp, "choose_threads", fake_choose)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # as the core process loads (core_threads); the machine key counts them
+        machine = KernelChoices().key
+        cfg = CoreConfig(checkpoint=str(tiny_ckpt), device="cpu", warmup=False, compile_cache=str(tmp_path),
+                         torch_threads=2)
+        core, _, _ = build_core(cfg)
+        first = cp.kept_thread_choice(core, cfg, lambda: waited.append(1))
+        assert first["kept"] is False and first["threads"] == 1 and timed == [2] and waited == [1]
+        torch.set_num_threads(2)
+        again = cp.kept_thread_choice(core, cfg, lambda: waited.append(1))
+        assert again == {"threads": 1, "cores": 2, "one_row_step_ms": None, "last_thread_gain": None,
+                         "chosen": "n-1", "kept": True}
+        assert timed == [2] and waited == [1] and torch.get_num_threads() == 1
+        # the entry sits beside the kernels' in kernels.json, under this machine's key
+        entry = json.loads((tmp_path / "kernels.json").read_text())[machine]
+        key = "threads " + thread_model_key(core)
+        assert entry[key] == 1 and "cache float32" in key
+
+        bf16, _, _ = build_core(dataclasses.replace(cfg, kv_cache_dtype="bf16"))
+        torch.set_num_threads(2)
+        assert cp.kept_thread_choice(bf16, cfg, lambda: None)["kept"] is False and timed == [2, 2]
+        torch.set_num_threads(2)
+
+        more = dataclasses.replace(cfg, torch_threads=1)  # kept 1 <= 1: still kept
+        assert cp.kept_thread_choice(core, more, lambda: None)["kept"] is True
+        torch.set_num_threads(2)
+        entry[key] = 3  # more threads than this start has
+        (tmp_path / "kernels.json").write_text(json.dumps({machine: entry}))
+        assert cp.kept_thread_choice(core, cfg, lambda: None)["kept"] is False and timed == [2, 2, 2]
+        torch.set_num_threads(2)
+        entry[key] = "one"
+        (tmp_path / "kernels.json").write_text(json.dumps({machine: entry}))
+        assert cp.kept_thread_choice(core, cfg, lambda: None)["kept"] is False and len(timed) == 4
+    finally:
+        torch.set_num_threads(before)

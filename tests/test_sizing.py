@@ -152,7 +152,7 @@ def test_bad_format_settings_are_one_line_errors():
         load_settings(kv_cache_memory="plenty")
 
 
-def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(monkeypatch):
+def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(monkeypatch, tmp_path):
     import engine.cpu_tuning as ct
     import model.linear
     from tests.helpers import force_cpu
@@ -161,13 +161,26 @@ def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(monke
     fast = {"fp32": {1: 2.0, 16: 4.0}, "bf16": {1: 1.0, 16: 2.0}}
     slow = {"fp32": {1: 2.0, 16: 4.0}, "bf16": {1: 1.9, 16: 2.0}}  # not 1.15x faster at one row
     timed = []
-    for flags, times, want in [(set(), fast, torch.float32), ({"avx2", "avx512_bf16"}, fast, torch.bfloat16),
-                               ({"amx_bf16"}, slow, torch.float32)]:
+    cases = [(set(), fast, torch.float32), ({"avx2", "avx512_bf16"}, fast, torch.bfloat16),
+             ({"amx_bf16"}, slow, torch.float32)]
+
+    def choose(flags, times, machine):  # a new process on `machine` (its compile cache's folder)
         monkeypatch.setattr(ct, "_DTYPE_CHOICES", {})
         force_cpu(monkeypatch, flags=frozenset(flags), packed_bf16=True)
         monkeypatch.setattr(model.linear, "time_dtypes", lambda i, o, t=times: timed.append((i, o)) or t)
-        dtype, why = ct.serving_dtype(CoreConfig(checkpoint=ckpt), CPU, torch.float32)
+        return ct.serving_dtype(CoreConfig(checkpoint=ckpt, compile_cache=str(tmp_path / machine)), CPU,
+                                torch.float32)
+
+    for i, (flags, times, want) in enumerate(cases):
+        dtype, why = choose(flags, times, str(i))
         assert dtype == want and why["picked"] == {torch.float32: "fp32", torch.bfloat16: "bf16"}[want]
     assert timed == [(256, 1024), (256, 1024)]  # the bundled model's widest matmul; never without the flags
+    # a later start on the same machine keeps the choice made there, untimed, where a timing now would differ
+    # (a borderline timing flipped between starts); a kept entry that is no dtype is timed again
+    assert choose(*cases[1][:1], slow, "1") == (torch.bfloat16, {"picked": "bf16", "cpu_flags": ["avx512_bf16"],
+                                                                  "kept": True})
+    assert choose(*cases[2][:1], fast, "2")[0] == torch.float32 and len(timed) == 2
+    (tmp_path / "2" / "kernels.json").write_text((tmp_path / "2" / "kernels.json").read_text().replace("fp32", "int7"))
+    assert choose(*cases[2][:1], fast, "2")[0] == torch.bfloat16 and len(timed) == 3
     for cfg in (CoreConfig(checkpoint=ckpt, dtype="fp32"), CoreConfig(checkpoint=ckpt, quantize="int8")):
         assert ct.serving_dtype(cfg, CPU, torch.float32) == (torch.float32, None)  # asked for, or quantized

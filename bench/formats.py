@@ -130,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     fmts = args.formats.split(",")
     if unknown := [f for f in fmts if f not in FORMATS and f not in KV_VARIANTS]:
         p.error(f"unknown format(s) {', '.join(unknown)}: use {', '.join([*FORMATS, *KV_VARIANTS])}")
-    if not 0 <= args.length_spread < args.prompt_tokens:
-        p.error(f"--length-spread ({args.length_spread}) must be >= 0 and below --prompt-tokens ({args.prompt_tokens})")
     if args.prompt_tokens < 1 or args.prompt_tokens + args.new_tokens >= 1024:  # GPT-2's context
         p.error(f"--prompt-tokens ({args.prompt_tokens}) must be >= 1 and leave room for --new-tokens "
                 f"({args.new_tokens}) in GPT-2's 1,024-token context")
+    if not 0 <= args.length_spread < args.prompt_tokens:
+        p.error(f"--length-spread ({args.length_spread}) must be >= 0 and below --prompt-tokens ({args.prompt_tokens})")
     if args.checkpoint is None:
         random_gpt2()  # built once, before any timing
     rounds: dict[str, list] = {f: [] for f in fmts}

@@ -266,6 +266,7 @@ DDP_STEPS = textwrap.dedent("""
         opt.step()
         opt.zero_grad(set_to_none=True)
     torch.save(model.state_dict(), sys.argv[1] + f".rank{rank}")
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 """)
 

@@ -177,10 +177,10 @@ def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(monke
     assert timed == [(256, 1024), (256, 1024)]  # the bundled model's widest matmul; never without the flags
     # a later start on the same machine keeps the choice made there, untimed, where a timing now would differ
     # (a borderline timing flipped between starts); a kept entry that is no dtype is timed again
-    assert choose(*cases[1][:1], slow, "1") == (torch.bfloat16, {"picked": "bf16", "cpu_flags": ["avx512_bf16"],
+    assert choose(cases[1][0], slow, "1") == (torch.bfloat16, {"picked": "bf16", "cpu_flags": ["avx512_bf16"],
                                                                   "kept": True})
-    assert choose(*cases[2][:1], fast, "2")[0] == torch.float32 and len(timed) == 2
+    assert choose(cases[2][0], fast, "2")[0] == torch.float32 and len(timed) == 2
     (tmp_path / "2" / "kernels.json").write_text((tmp_path / "2" / "kernels.json").read_text().replace("fp32", "int7"))
-    assert choose(*cases[2][:1], fast, "2")[0] == torch.bfloat16 and len(timed) == 3
+    assert choose(cases[2][0], fast, "2")[0] == torch.bfloat16 and len(timed) == 3
     for cfg in (CoreConfig(checkpoint=ckpt, dtype="fp32"), CoreConfig(checkpoint=ckpt, quantize="int8")):
         assert ct.serving_dtype(cfg, CPU, torch.float32) == (torch.float32, None)  # asked for, or quantized

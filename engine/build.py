@@ -72,9 +72,9 @@ class CoreConfig:
         return cls(**values)
 
 
-def load_model(cfg: CoreConfig):
+def load_model(cfg: CoreConfig, before_timing=None):
     """Resolve device and dtype and load the checkpoint: (checkpoint, device, dtype, seconds); StartupError
-    with a one-line reason on failure."""
+    with a one-line reason on failure. `before_timing`: as build_core's, before the auto dtype's timing."""
     import torch
 
     from model.checkpoint import CheckpointError, load_checkpoint
@@ -88,7 +88,14 @@ def load_model(cfg: CoreConfig):
         dtype = resolve_dtype(cfg.dtype, device)
     except ValueError as e:
         raise StartupError(str(e)) from None
-    dtype = serving_dtype(cfg, device, dtype)[0]
+    waited = []  # the seconds before_timing waited: not loading (core_process counts them as the front's wait)
+
+    def wait() -> None:
+        t = time.perf_counter()
+        before_timing()
+        waited.append(time.perf_counter() - t)
+
+    dtype = serving_dtype(cfg, device, dtype, wait if before_timing else None)[0]
     if device.type == "cuda" and device.index is not None:
         # cuda:N is this process's current device: what is made without an explicit device (CUDA graphs' capture
         # stream and memory pool, cuBLAS workspaces, torch.cuda.synchronize()) lands there, not on GPU 0
@@ -100,7 +107,7 @@ def load_model(cfg: CoreConfig):
         raise StartupError(f"cannot load checkpoint: {e}") from None
     except (OSError, RuntimeError, ValueError) as e:  # e.g. out of GPU memory
         raise StartupError(f"cannot load checkpoint {cfg.checkpoint}: {type(e).__name__}: {e}") from None
-    return ckpt, device, dtype, time.perf_counter() - t0
+    return ckpt, device, dtype, time.perf_counter() - t0 - sum(waited)
 
 def check_fits(cfg: CoreConfig, device, dtype, available: int | None = None) -> None:
     """Before loading: the weights as loaded plus one full-length KV slot must fit the free memory, else a one-line
@@ -170,7 +177,8 @@ def resolve_kv_dtype(cfg: CoreConfig, dtype):
 def build_core(cfg: CoreConfig, loaded=None, before_timing=None):
     """The engine core for a loaded checkpoint (loading it when not given): (core, info, classify). The one place
     the server's settings become an EngineCore, for the core process and the in-process mode alike.
-    `before_timing`: called before the engine's first start-up timing (engine.runner.ModelRunner)."""
+    `before_timing`: called before the engine's first start-up timing (the auto dtype's, engine.runner.ModelRunner's
+    kernels), possibly more than once."""
     import torch
 
     from engine.core import EngineCore
@@ -179,7 +187,7 @@ def build_core(cfg: CoreConfig, loaded=None, before_timing=None):
     from model.linear import FormatError
     from model.task_head import TaskError, load_task
 
-    ckpt, device, dtype, seconds = loaded if loaded is not None else load_model(cfg)
+    ckpt, device, dtype, seconds = loaded if loaded is not None else load_model(cfg, before_timing)
     try:
         task = load_task(ckpt.path, ckpt.model, device)
     except TaskError as e:

@@ -30,14 +30,16 @@ _DTYPE_CHOICES: dict[tuple, tuple] = {}
 BF16_SPEEDUP = 1.15  # bf16 must beat fp32 by this much at 1 and at 16 rows to be the CPU's auto dtype
 
 
-def serving_dtype(cfg, device, dtype) -> tuple[Any, dict | None]:
+def serving_dtype(cfg, device, dtype, before_timing=None) -> tuple[Any, dict | None]:
     """The dtype a server computes in (`cfg`: an engine.build.CoreConfig), and why. `--dtype auto` on a CPU serving
     unquantized weights is bf16 where the CPU computes bf16 natively (avx512_bf16 or AMX in its flags) and a one-off
     timing at load finds the model's widest matmul (n_embd → 4·n_embd, oneDNN's packed weight) at least 1.15x faster
     in bf16 at 1 and at 16 rows; else fp32 (the reference): on an AVX2-only CPU oneDNN emulates bf16 and it is slower
     (docs/api.md, "Formats per CPU"). The choice is made once per machine and shape and kept on disk with the kernel
     choices (`KernelChoices`: the same key, the compile cache's folder), so a restart serves the same numbers;
-    load_model makes it, build_core reports it (/info `dtype_choice.kept`)."""
+    load_model makes it, build_core reports it (/info `dtype_choice.kept`). `before_timing` (optional) is called just
+    before the timing: the core process waits there for its front's imports, since a choice made beside them would
+    be kept."""
     import torch
 
     if cfg.dtype != "auto" or device.type != "cpu" or cfg.quantize != "none":
@@ -64,6 +66,8 @@ def serving_dtype(cfg, device, dtype) -> tuple[Any, dict | None]:
             # avx512_bf16: bf16 one start, fp32 the next), and with it a seeded request's tokens
             _DTYPE_CHOICES[key] = (DTYPES[kept], {"picked": kept, "cpu_flags": native, "kept": True})
         else:
+            if before_timing is not None:
+                before_timing()
             ms = time_dtypes(n_embd, 4 * n_embd)
             fast = all(ms["bf16"][r] * BF16_SPEEDUP <= ms["fp32"][r] for r in ms["fp32"])
             picked = "bf16" if fast else "fp32"

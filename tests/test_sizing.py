@@ -182,5 +182,13 @@ def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(monke
     assert choose(cases[2][0], fast, "2")[0] == torch.float32 and len(timed) == 2
     (tmp_path / "2" / "kernels.json").write_text((tmp_path / "2" / "kernels.json").read_text().replace("fp32", "int7"))
     assert choose(cases[2][0], fast, "2")[0] == torch.bfloat16 and len(timed) == 3
+    # the core process's wait for its front (before_timing) comes just before a timing, and not at all when kept
+    events = []
+    for _ in range(2):
+        monkeypatch.setattr(ct, "_DTYPE_CHOICES", {})
+        monkeypatch.setattr(model.linear, "time_dtypes", lambda i, o: events.append("timed") or fast)
+        ct.serving_dtype(CoreConfig(checkpoint=ckpt, compile_cache=str(tmp_path / "3")), CPU, torch.float32,
+                         lambda: events.append("wait"))
+    assert events == ["wait", "timed"]
     for cfg in (CoreConfig(checkpoint=ckpt, dtype="fp32"), CoreConfig(checkpoint=ckpt, quantize="int8")):
         assert ct.serving_dtype(cfg, CPU, torch.float32) == (torch.float32, None)  # asked for, or quantized

@@ -194,6 +194,24 @@ def test_seeded_tokens_do_not_depend_on_the_batch():
             assert tokens == alone[req], req
 
 
+def test_first_occurrences_are_recorded_only_in_batches_a_presence_or_frequency_penalty_reads():
+    # SlotState.record skips the first-occurrence bookkeeping where no row of the batch has these penalties (7.7 of
+    # record's 14 us a token at batch 1); a row that has them is recorded at every step it takes part in, which
+    # test_seeded_tokens_do_not_depend_on_the_batch checks against the same request alone
+    V = 300
+    g = torch.Generator().manual_seed(0)
+    s = Sampler(2, V, 20, block_size=32)
+    s.admit(0, SamplingParams(temperature=0.0), [1, 5], seed=0)
+    for _ in range(3):
+        s.step(torch.randn(1, V, generator=g), [0])
+    assert not s.state.seen.any() and not s.state.first.any()
+    s.admit(1, MIX[6], [2, 5, 9], seed=16)
+    tokens = [[d.token for d in s.step(torch.randn(2, V, generator=g), [0, 1])] for _ in range(4)]
+    out1 = [t[1] for t in tokens]
+    assert s.state.seen[1].nonzero().flatten().tolist() == sorted(set(out1))
+    assert s.state.first[1, 3:7].tolist() == [t not in out1[:i] for i, t in enumerate(out1)]
+
+
 def test_different_seeds_give_different_tokens():
     V = 500
     s = Sampler(2, V, 40)

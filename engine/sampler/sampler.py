@@ -117,7 +117,7 @@ class Sampler:
         self.read_backs += 1
         if s.accepted is not None:
             token = self._redraw_rejected(rows, token, s.ctx)
-        self.state.record(plan.rows, plan.index, token)
+        self.state.record(plan.rows, plan.index, token, plan.presence_frequency)
         n = plan.top_n
         first_top = 3 if s.accepted is not None else 2
         out = []
@@ -170,7 +170,7 @@ class Sampler:
             st, rs = self.state, plan.rows
             ctx = Ctx(raw, e, total, lse, st.seed_key[rs], st.length[rs] - st.prompt_len[rs], st.top_p[rs])
             token = self._redraw_rejected(rows, token, ctx)
-        self.state.record(plan.rows, plan.index, token)
+        self.state.record(plan.rows, plan.index, token, plan.presence_frequency)
         return [Draw(int(r[0]), r[1]) for r in rows]
 
     def _redraw_rejected(self, rows: list[list[float]], token: torch.Tensor, ctx: Ctx) -> torch.Tensor:

@@ -410,6 +410,28 @@ def test_train_errors(tmp_path, data_dir, capsys):
     assert "needs at least block_size + 1" in err(*base, *sets("block_size=100000"))
 
 
+def test_bf16_on_a_cpu_autocasts_where_the_cpu_has_it_and_is_refused_in_one_line_where_not(tmp_path, data_dir,
+                                                                                            capsys, monkeypatch):
+    from model import cpu_support
+    from tests.helpers import force_cpu
+
+    base = ("--data", str(data_dir), *sets("max_iters=3", "eval_interval=3"))
+    if cpu_support.support().native_bf16:
+        assert train_inprocess(*base, "--out", str(tmp_path / "fp32")) == 0
+        assert train_inprocess(*base, "--out", str(tmp_path / "bf16"), "--set", "dtype=bfloat16") == 0
+        assert read_metrics(tmp_path / "bf16", "start")[0]["bf16"] is True
+        assert read_metrics(tmp_path / "fp32", "start")[0]["bf16"] is False
+        a, b = (np.array([e["loss"] for e in read_metrics(tmp_path / r, "train")]) for r in ("fp32", "bf16"))
+        assert not np.array_equal(a, b)  # the matmuls ran in bf16 ...
+        assert np.allclose(a, b, atol=0.05)  # ... and trained the same model
+    force_cpu(monkeypatch, packed_bf16=False)  # an AVX2 host's answer
+    capsys.readouterr()
+    assert train_inprocess(*base, "--out", str(tmp_path / "avx2"), "--set", "dtype=bfloat16") == 2
+    err = capsys.readouterr().err.strip()
+    assert "dtype=bfloat16 on this CPU: no bf16 in hardware" in err and "use dtype=float32" in err
+    assert len(err.splitlines()) == 1
+
+
 def test_train_cli_error_is_one_line_without_traceback(tmp_path, data_dir):
     proc = cli("training.train", "--data", str(data_dir), "--out", str(tmp_path / "o"), "--set", "max_iter=3",
                check=False)

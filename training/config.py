@@ -93,8 +93,8 @@ class TrainConfig(BaseModel):
     # --- system ---
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    # auto: bf16 autocast on CUDA (if supported), fp32 on CPU. Either spelling (model.device.dtype_name); held as
-    # float32 / bfloat16
+    # auto: bf16 autocast on CUDA (if supported), fp32 on CPU; bfloat16 on a CPU needs bf16 in hardware (avx512_bf16 /
+    # AMX). Either spelling (model.device.dtype_name); held as float32 / bfloat16
     dtype: Literal["auto", "float32", "bfloat16", "fp32", "bf16"] = "auto"
     compile: bool = False  # torch.compile the model
     num_threads: int = 0  # torch CPU threads; 0 = torch's default

@@ -128,6 +128,7 @@ class EngineCore:
     compile_cache = _runner_attr("compile_cache")
     compile_seconds = _runner_attr("compile_seconds")
     compile_source = _runner_attr("compile_source")
+    attention_seconds = _runner_attr("attention_seconds")
     warmup_error = _runner_attr("warmup_error")
     warmup_seconds = _runner_attr("warmup_seconds")
     prefill_chunks = _runner_attr("prefill_chunks")
@@ -136,6 +137,7 @@ class EngineCore:
     _graphed = _runner_attr("_graphed")
     _compiled = _runner_attr("_compiled")
     _compiling = _runner_attr("_compiling")
+    _attention = _runner_attr("_attention")
 
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
@@ -344,12 +346,15 @@ class EngineCore:
                 "prefix_cache": s.prefix is not None, "prefix_hit_tokens": s.hit_tokens,
                 "prefix_copied_tokens": self.copied_tokens,
                 "generated_tokens": self.generated_tokens, "cuda_graphs": self._graphed is not None,
-                "compiled_decode": self._compiled is not None, "compiling": self._compiling is not None,
+                "compiled_decode": self._compiled is not None,
+                "compiling": self._compiling is not None or self._attention is not None,
                 "compile_seconds": self.compile_seconds, "compile_source": self.compile_source,
                 "warmup_seconds": self.warmup_seconds, "prepacked_layers": self.packed_layers,
                 "weights": self.weights["format"],
                 "weight_bytes": self.weight_bytes, "kv_bytes": self.cache.nbytes(),
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+                "compiled_attention": self.cache.decode_attention is not None,
+                "attention_compile_seconds": self.attention_seconds,
                 "speculative": self.speculator.stats() if self.speculator is not None else None}
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from engine import compiled_attention
 from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
 from engine.compiled_decode import one_line
 from engine.compiled_decode import resolve_mode as resolve_compile
@@ -90,6 +91,8 @@ class ModelRunner:
         self.prepack, self.quantize, self.int4_group = prepack, quantize, int4_group  # the draft's too
         # a compiled CPU decode step (engine.compiled_decode); quantized weights (fbgemm's packed int8) stay eager
         self.compile = resolve_compile(compile, model, self.device, self.dtype, quantize)
+        self.compile_attention = compiled_attention.wanted(self.cache, compile)  # a 16-bit CPU cache's decode attention
+        self._attention: compiled_attention.AttentionBuild | None = None  # ... while its compile runs
         self.compile_max_batch = min(compile_max_batch, n_slots)
         self.compile_cache = compile_cache  # the compiled steps' folder (None: engine.compiled_decode's default)
         self._compiled = None  # the compiled decode steps in use (engine.compiled_decode), once checked
@@ -116,6 +119,7 @@ class ModelRunner:
         self.warmup_seconds: float | None = None  # the warm-up's (EngineCore.warmup), once done
         self.compile_seconds: float | None = None  # the compiled decode step's start-up cost, once made
         self.compile_source: str | None = None  # "compiled" or "cache" (engine.compiled_decode)
+        self.attention_seconds: float | None = None  # the compiled decode attention's build, once done
         # counters of what it computed (read by EngineCore.stats())
         self.prefill_chunks = 0
         self.prompt_tokens = 0  # computed (prefilled)
@@ -246,6 +250,9 @@ class ModelRunner:
                 self._capture_graphs(graph_capture)
             if self.compile == "on":
                 self._compile_decode()
+            if self.compile_attention:
+                self._attention = compiled_attention.AttentionBuild(self.cache)
+                self._attention.start()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.warmup_seconds = round(time.perf_counter() - t0, 2)
@@ -287,18 +294,36 @@ class ModelRunner:
                  self.compile_max_batch)
 
     def poll_compiled(self) -> bool:
-        """At a step boundary: install the compiled steps once the background compile has finished; True when it
-        did (the stats changed)."""
+        """At a step boundary: install the compiled steps (and a 16-bit cache's compiled attention) once their
+        background compile has finished; True when it did (the stats changed)."""
+        changed = False
+        if self._attention is not None and self._attention.done:
+            self._install_attention()
+            changed = True
         if self._compiling is None or not self._compiling.done:
-            return False
+            return changed
         self._install_compiled()
         return True
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
-        """Wait for the background compile and install its steps (tests, benchmarks); True when they are in use."""
+        """Wait for the background compiles and install what they made (tests, benchmarks); True when compiled
+        steps are in use."""
+        if self._attention is not None and self._attention.wait(timeout):
+            self._install_attention()
         if self._compiling is not None and self._compiling.wait(timeout):
             self._install_compiled()
         return self._compiled is not None
+
+    def _install_attention(self) -> None:
+        built, self._attention = self._attention, None
+        self.attention_seconds = built.seconds
+        if built.error is not None:
+            log.warning("decode attention over the %s cache not compiled (%s); attending through SDPA",
+                        str(self.kv_dtype).removeprefix("torch."), built.error)
+            return
+        self.cache.decode_attention = built.fn
+        log.info("decode attention over the %s cache compiled in %.1f s", str(self.kv_dtype).removeprefix("torch."),
+                 built.seconds)
 
     def _install_compiled(self) -> None:
         """Use the compiled steps if their replay equals the eager step on the live cache; else one log line."""

@@ -45,9 +45,9 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         else:  # write the new keys into the cache, attend over everything the slot holds
             k, v = step.update(*layer_kv, k, v)  # (B, H, S, D), in the cache's dtype
-            # a narrower cache (GPT_KV_CACHE_DTYPE=bf16 beside fp32 weights) is read as stored, the queries cast to it:
-            # widening the keys and values on every read made 16 rows at 300 tokens 3.2x slower (bench: docs/api.md)
-            y = step.attend(q.to(k.dtype), k, v).to(q.dtype)
+            # a narrower cache (GPT_KV_CACHE_DTYPE=bf16 beside fp32 weights) is read as stored: widening the keys and
+            # values on every read made 16 rows at 300 tokens 3.2x slower (bench: docs/api.md); step.attend casts
+            y = step.attend(q, k, v).to(q.dtype)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(linear(y, self.c_proj))
 

@@ -10,11 +10,13 @@ each slot's current length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from model import decode_attention
 from model.config import GPTConfig
 
 
@@ -63,6 +65,9 @@ class KVCache:
         self.lengths = [0] * n_slots
         self.lengths_t = torch.zeros(n_slots, dtype=torch.long, device=device)
         self._arange = torch.arange(max(max_len, n_slots), device=device)  # positions are views of this
+        # a 16-bit cache on a CPU: its decode steps' attention, compiled (model.decode_attention.build), once the
+        # engine has it; None: SDPA
+        self.decode_attention: Callable[..., torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -139,15 +144,30 @@ class KVCache:
             slot_range, slot_index = None, device_index(list(slots), self.device)
         start = lengths[0]
         uniform = all(n == start for n in lengths)
+        loops = self._loops(n_tokens, contiguous, B)
         if uniform and (n_tokens == 1 or start == 0):
             positions = self._arange[start:start + n_tokens].expand(B, n_tokens)
+        else:
+            starts = self.lengths_t[slot_range] if slot_range is not None else self.lengths_t[slot_index]
+            positions = starts[:, None] + self._arange[None, :n_tokens]  # (B, T)
+        if loops is not None:  # whole blocks of keys, each row's visible ones counted (model.decode_attention)
+            return CacheStep(slot_index, slot_range, positions, None, decode_attention.read_len(kv_len, self.max_len),
+                             start=start if uniform else None, loops=loops, visible=positions[:, 0] + 1)
+        if uniform and (n_tokens == 1 or start == 0):
             return CacheStep(slot_index, slot_range, positions, None, kv_len, start=start, is_causal=n_tokens > 1)
-        starts = self.lengths_t[slot_range] if slot_range is not None else self.lengths_t[slot_index]
-        positions = starts[:, None] + self._arange[None, :n_tokens]  # (B, T)
         # key j is visible to the query at position p iff j <= p (causal, and masks stale/unused entries)
         mask = self._arange[None, None, :kv_len] <= positions[:, :, None]  # (B, T, S)
         return CacheStep(slot_index, slot_range, positions, mask[:, None], kv_len,
                          start=start if uniform else None, row_kv=[n + n_tokens for n in lengths])
+
+    def _loops(self, n_tokens: int, contiguous: bool, rows: int) -> Callable[..., torch.Tensor] | None:
+        """The compiled attention a step of `n_tokens` per row uses (model.decode_attention), else None: one token a
+        row, rows in consecutive slots (the server's decoding rows are slots 0..n-1); an fp32 cache from two rows
+        (one row: SDPA is faster there, 31 against 41 us a GPT-2 layer)."""
+        if (self.decode_attention is None or n_tokens != 1 or not contiguous or self.device.type != "cpu"
+                or (self.k[0].element_size() == 4 and rows < 2) or torch.compiler.is_dynamo_compiling()):
+            return None
+        return self.decode_attention
 
     def plan_static(self, n_rows: int, kv_len: int | None = None) -> CacheStep:
         """One token for each of slots 0..n_rows-1, with shapes that do not depend on what the slots hold:
@@ -188,10 +208,12 @@ class CacheStep:
     start: int | None = None  # the length every slot holds before this step, when they all hold the same
     is_causal: bool = False  # no mask, plain causal attention (T new tokens into empty slots, S == T)
     row_kv: list[int] | None = None  # with a mask: the keys each row holds after the step (host ints)
+    loops: Callable[..., torch.Tensor] | None = None  # the compiled attention (model.decode_attention), which reads
+    visible: torch.Tensor | None = None  # (B,) the keys each row sees of the S read (S = whole blocks)
 
     def update(self, cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (B, H, T, D) in place and return the keys/values to attend over (B, H, S, D), in the cache's
-        dtype."""
+        dtype; through the compiled attention, the whole cache tensors (it reads its rows and S entries itself)."""
         k, v = k.to(cache_k.dtype), v.to(cache_v.dtype)  # index_put (rows of different lengths) does not cast
         if self.start is not None:  # every row writes the same positions: a slice
             cols = slice(self.start, self.start + k.size(2))
@@ -206,6 +228,8 @@ class CacheStep:
             # advanced indices on dims 0 and 2 → the indexed view is (B, T, H, D)
             cache_k[rows, :, self.positions] = k.transpose(1, 2)
             cache_v[rows, :, self.positions] = v.transpose(1, 2)
+        if self.loops is not None:  # the compiled attention reads the layer's cache itself (`attend`)
+            return cache_k, cache_v
         if self.slot_range is not None:
             k_all, v_all = cache_k[self.slot_range, :, : self.kv_len], cache_v[self.slot_range, :, : self.kv_len]
         else:
@@ -216,7 +240,9 @@ class CacheStep:
         """Attention of the step's queries q (B, H, T, D) over the keys and values `update` returned, each row over
         the entries it may see.
 
-        A 16-bit cache on a CPU: rows of different lengths attend one call each, over just their own keys (the mask
+        A 16-bit cache on a CPU decoding one token a row, once the engine has compiled them: model.decode_attention's
+        loops, which read the cache in 16 bits and give a row the same result alone or batched. Until then (and for
+        several tokens a row), rows of different lengths attend one call each, over just their own keys (the mask
         only where a row adds several tokens). PyTorch's CPU attention splits the keys into blocks by their count
         (512 at most, else all of them), so one padded call over the batch's longest row rounds a row differently
         from that row alone, and in bf16 that flipped seeded tokens of a request batched with others. One call per
@@ -224,6 +250,9 @@ class CacheStep:
         16 rows. In fp32 the rounding is ~1e-7 and the per-row calls were slower, so fp32, like CUDA (and the
         static shapes of CUDA graphs), makes one masked call. (docs/performance.md, "bf16 batch invariance", has
         the runs.)"""
+        if self.loops is not None:  # k, v: the layer's whole cache tensors (`update`)
+            return self.loops(q, k, v, self.slot_range.start, q.size(0), self.kv_len, self.visible)
+        q = q.to(k.dtype)  # the cache's dtype (a 16-bit cache beside fp32 weights is read as stored)
         if q.device.type == "cpu" and q.size(2) == 1 and self.mask is not None and torch.compiler.is_dynamo_compiling():
             # a compiled CPU decode step (engine/compiled_decode.py): written out, inductor fuses one query's
             # attention into its own loops, without the SDPA kernel's per-call cost (docs/performance.md, "Decode

@@ -1,0 +1,155 @@
+"""model/decode_attention.py and its engine side (engine/compiled_attention.py): a 16-bit CPU cache's decode steps
+attend through compiled loops that equal the eager reference and fp32 attention over the same rounded keys, give a
+row the same result alone or batched, and fall back to SDPA where the compile fails."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import compiled_attention
+from engine.runner import ModelRunner
+from model import decode_attention
+from model.config import GPTConfig
+from model.kv_cache import KVCache
+from tests.helpers import tiny_model
+
+H, D = 12, 64  # GPT-2's heads
+
+
+N_SLOTS, MAX_LEN = 8, 1024
+
+
+@functools.cache
+def built(dtype: torch.dtype = torch.bfloat16):
+    """The compiled loops for a cache of N_SLOTS x MAX_LEN in `dtype` (one build per dtype: a server has one)."""
+    return decode_attention.build(torch.zeros(N_SLOTS, H, MAX_LEN, D, dtype=dtype))
+
+
+@pytest.fixture(scope="module")
+def loops():
+    return built()
+
+
+def test_the_compiled_loops_equal_the_eager_reference_and_fp32_attention_over_the_same_keys(loops):
+    g = torch.Generator().manual_seed(0)
+    lens = [300, 1, 64, 65, 129]
+    S = decode_attention.read_len(max(lens), MAX_LEN)
+    assert S == 320 and decode_attention.read_len(1000, 1024) == 1024 and decode_attention.read_len(64, 60) == 60
+    cache_k, cache_v = (torch.randn(N_SLOTS, H, MAX_LEN, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(len(lens), H, 1, D, generator=g)
+    visible = torch.tensor(lens)
+    k, v = cache_k[1:1 + len(lens), :, :S], cache_v[1:1 + len(lens), :, :S]
+    with torch.inference_mode():
+        got = loops(q, cache_k, cache_v, 1, len(lens), S, visible)
+        ref = decode_attention.attend(q, k, v, visible)
+    assert got.dtype == torch.float32 and got.shape == (len(lens), H, 1, D)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    for b, n in enumerate(lens):  # fp32 attention over the row's own (rounded) keys only
+        sdpa = F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, :n].float(), v[b:b + 1, :, :n].float())
+        torch.testing.assert_close(got[b:b + 1], sdpa, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_row_decodes_as_it_does_alone_whatever_its_batch(dtype):
+    # KVCache.plan reads whole blocks of keys, so a row's sums run the same whether its batch's longest row is its
+    # own or longer; lengths either side of block edges and of 512
+    g = torch.Generator().manual_seed(1)
+    cfg = GPTConfig(vocab_size=8, block_size=1024, n_layer=1, n_head=H, n_embd=H * D)
+    lens = [700, 90, 511, 63, 64, 1, 128, 260]
+    prefix = [(torch.randn(1, H, n, D, generator=g).to(dtype), torch.randn(1, H, n, D, generator=g).to(dtype))
+              for n in lens]
+    new = [(torch.randn(1, H, 1, D, generator=g).to(dtype), torch.randn(1, H, 1, D, generator=g).to(dtype))
+           for _ in lens]
+    q = torch.randn(len(lens), H, 1, D, generator=g)
+    loops = built(dtype)
+
+    def attend(rows):
+        cache = KVCache(cfg, n_slots=N_SLOTS, dtype=dtype)
+        cache.decode_attention = loops
+        for s, r in enumerate(rows):
+            cache.k[0][s, :, :lens[r]], cache.v[0][s, :, :lens[r]] = prefix[r]
+            cache.lengths[s] = cache.lengths_t[s] = lens[r]
+        step = cache.plan(range(len(rows)), 1)
+        assert step.loops is loops and step.kv_len % decode_attention.KEY_BLOCK == 0
+        k, v = step.update(cache.k[0], cache.v[0], torch.cat([new[r][0] for r in rows]),
+                           torch.cat([new[r][1] for r in rows]))
+        with torch.inference_mode():
+            return step.attend(q[rows], k, v)
+
+    batched = attend(list(range(len(lens))))
+    for r in range(len(lens)):
+        assert torch.equal(batched[r:r + 1], attend([r])), r
+        assert torch.equal(attend([r, 0])[:1], batched[r:r + 1]), r  # beside the longest row
+
+
+def test_a_bf16_cache_through_the_loops_stays_close_to_full_recompute(loops):
+    model = tiny_model(seed=3)
+    idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    lens = [9, 5]
+    with torch.inference_mode():
+        full, _ = model(idx)
+        cache = KVCache(model.config, n_slots=2, dtype=torch.bfloat16)
+        cache.decode_attention = loops
+        out = [model.forward_cached(idx[r:r + 1, :lens[r]], cache, [r], all_logits=True)[0] for r in range(2)]
+        for t in range(6):
+            step = model.forward_cached(torch.stack([idx[r, lens[r] + t] for r in range(2)])[:, None], cache, [0, 1])
+            out = [torch.cat([o, step[j:j + 1]]) for j, o in enumerate(out)]
+    for r in range(2):
+        torch.testing.assert_close(out[r], full[r, :lens[r] + 6], atol=2e-3, rtol=0)
+
+
+def runner(kv_dtype=torch.bfloat16, compile="auto") -> ModelRunner:
+    model = tiny_model(seed=0)
+    return ModelRunner(model, n_slots=2, vocab_size=model.config.vocab_size, kv_dtype=kv_dtype, compile=compile)
+
+
+@pytest.fixture(autouse=True)
+def no_compiled_steps(monkeypatch):
+    """The tiny model's whole decode step would compile too (GPT_COMPILE=auto, minutes): only the attention here."""
+    import engine.runner
+
+    monkeypatch.setattr(engine.runner, "resolve_compile", lambda *args: "off")
+
+
+def test_the_engine_compiles_a_16_bit_caches_attention_in_the_background_and_installs_it_between_steps():
+    r = runner()
+    assert r.compile_attention and r.cache.decode_attention is None
+    r.warmup()
+    assert r.cache.decode_attention is None  # not before a step boundary
+    assert not r.wait_compiled(timeout=300)  # (no compiled steps)
+    assert r.cache.decode_attention is not None and r.attention_seconds is not None
+    assert runner(kv_dtype=torch.float32).compile_attention  # fp32 too, from two rows (below)
+    assert not runner(compile="off").compile_attention
+
+
+def test_an_fp32_cache_attends_through_the_loops_from_two_rows_and_through_sdpa_for_one():
+    cfg = GPTConfig(vocab_size=8, block_size=1024, n_layer=1, n_head=H, n_embd=H * D)
+    cache = KVCache(cfg, n_slots=N_SLOTS)
+    cache.decode_attention = built(torch.float32)
+    for s, n in enumerate([40, 300, 7]):
+        cache.lengths[s] = cache.lengths_t[s] = n
+    assert cache.plan(range(3), 1).loops is not None
+    assert cache.plan(range(1), 1).loops is None  # one row: SDPA (faster there)
+    assert cache.plan([0, 2], 1).loops is None  # rows not in consecutive slots
+    assert cache.plan(range(3), 2).loops is None  # several tokens a row (verification, prefill)
+
+
+def test_a_failed_attention_compile_leaves_sdpa_with_one_log_line(monkeypatch, caplog):
+    def fail(cache_k):
+        raise RuntimeError("no C++ compiler\nmore lines")
+
+    monkeypatch.setattr(decode_attention, "build", fail)
+    r = runner()
+    with caplog.at_level(logging.WARNING, logger="engine.core.runner"):
+        r.warmup()
+        r.wait_compiled(timeout=60)
+    assert r.cache.decode_attention is None
+    lines = [rec.getMessage() for rec in caplog.records if "decode attention" in rec.getMessage()]
+    assert lines == ["decode attention over the bfloat16 cache not compiled (RuntimeError: no C++ compiler); "
+                     "attending through SDPA"]
+    assert compiled_attention.wanted(r.cache, "auto")

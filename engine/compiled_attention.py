@@ -1,4 +1,5 @@
-"""The compiled decode attention of a 16-bit KV cache on a CPU (model.decode_attention), built in the background.
+"""The compiled decode attention of a CPU's KV cache (model.decode_attention: a 16-bit cache at every batch, an fp32
+one from two rows), built in the background.
 
 `torch.compile` of the attention takes seconds (a restart ~1-2 s from inductor's cache on disk), so, like the
 compiled decode steps (engine.compiled_decode), it runs in a thread at idle priority while the engine serves with

@@ -1,12 +1,12 @@
-"""Decode attention over a 16-bit KV cache on a CPU: inductor's loops, reading the cache where it lies.
+"""Decode attention on a CPU as inductor's loops, reading the KV cache where it lies, in its own dtype.
 
 A decode step attends one query per row over the keys its slot holds, read from the cache as strided views (slot,
 head, first S entries). PyTorch's CPU attention in bf16 copies such views before its matmuls (16 rows x 12 heads
 x 300 keys: 2.4 ms a layer against fp32's 0.37, 2 threads on an avx512_bf16 EPYC), and per-row calls, which keep a
 row's result the same alone or batched, cost a call each. Written out here as reductions (scores, softmax, p.V),
-`torch.compile` (dynamic batch and length) turns them into C++ loops that read the views in 16 bits and compute in
-fp32: 0.24 ms at 16 rows, 1.8 ms at 64 (fp32 SDPA: 0.37 / 5.1), 41 us at one row (fp32 SDPA: 31; docs/performance.md,
-"A 16-bit KV cache through compiled loops").
+`torch.compile` (dynamic batch and length) turns them into C++ loops that read the cache as stored (bf16: half
+fp32's bytes) and compute in fp32: bf16 0.24 ms at 16 rows, 1.8 ms at 64 (fp32 SDPA: 0.37 / 5.1; fp32 loops 0.27 /
+2.9), 41 us at one row (fp32 SDPA: 31; docs/performance.md, "Decode attention through compiled loops").
 
 A row gets the same result alone or batched: keys are read in whole blocks of KEY_BLOCK (`read_len`), so a row's
 sums run over the same lanes in the same order whether the batch's longest row is its own or longer; the extra

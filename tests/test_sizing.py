@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +15,9 @@ from engine.sizing import SLOT_ALLOWANCE, SizingError, kv_bytes_per_slot, parse_
 
 CPU = torch.device("cpu")
 GIB = 2**30
-SHAKESPEARE = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare"  # 4 layers, 256 dims, 256 tokens
+SHAKESPEARE = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare"
+_SHAPE = json.loads((SHAKESPEARE / "config.json").read_text())
+BUNDLED = (_SHAPE["n_layer"], _SHAPE["n_embd"], _SHAPE["block_size"])  # today 4 layers, 256 dims, 256 tokens
 # GPT-2 124M: 12 layers, 768 dims, 1,024 tokens: 72 MiB of fp32 keys and values a slot
 GPT2 = dict(n_layer=12, n_embd=768, context=1024)
 
@@ -107,16 +110,16 @@ def test_build_core_budgets_and_reports_the_draft_models_kv_cache():
                      kv_cache_dtype="bf16", warmup=False, speculative=f"draft:{SHAKESPEARE}")
     core, info, _ = build_core(cfg)
     kv = info["kv_cache"]
-    one = kv_bytes_per_slot(4, 256, 256, torch.bfloat16)  # 1 MiB: the served model's, and the draft's (the same)
+    one = kv_bytes_per_slot(*BUNDLED, torch.bfloat16)  # 1 MiB today: the served model's, and the draft's (the same)
     assert kv["per_slot"] == kv["draft_per_slot"] == one
-    assert kv["slots"] == core.n_slots == 64_000_000 // (2 * one + SLOT_ALLOWANCE) == 10  # 12 without the draft
+    assert kv["slots"] == core.n_slots == 64_000_000 // (2 * one + SLOT_ALLOWANCE)  # 10 today; 12 without the draft
     draft_cache = core.speculator.draft.cache
     assert draft_cache.k[0].dtype == torch.bfloat16  # the served cache's dtype, as budgeted
-    assert kv["draft_bytes"] == draft_cache.nbytes() == 10 * one and kv["bytes"] == core.cache.nbytes()
+    assert kv["draft_bytes"] == draft_cache.nbytes() == core.n_slots * one and kv["bytes"] == core.cache.nbytes()
     _, info, _ = build_core(CoreConfig(checkpoint=str(SHAKESPEARE), device="cpu", dtype="fp32", warmup=False,
                                        kv_cache_memory="64MB", kv_cache_dtype="bf16", speculative="ngram"))
     assert info["kv_cache"]["draft_per_slot"] == info["kv_cache"]["draft_bytes"] == 0
-    assert info["kv_cache"]["slots"] == 12
+    assert info["kv_cache"]["slots"] == 64_000_000 // (one + SLOT_ALLOWANCE)
 
 
 def test_start_up_refuses_weights_that_do_not_fit():
@@ -139,7 +142,7 @@ def test_build_core_reports_the_format_the_weights_and_the_cache():
     kv = info["kv_cache"]
     assert info["weights"] == "int8" and 0 < info["weight_bytes"] < 0.4 * 4 * info["n_params"]
     assert kv["dtype"] == "bf16" and kv["slots"] == info["max_batch_size"] == core.n_slots
-    assert kv["per_slot"] == kv_bytes_per_slot(4, 256, 256, torch.bfloat16) and kv["bytes"] == core.cache.nbytes()
+    assert kv["per_slot"] == kv_bytes_per_slot(*BUNDLED, torch.bfloat16) and kv["bytes"] == core.cache.nbytes()
     assert kv["slots"] == min(32, 64_000_000 // (kv["per_slot"] + SLOT_ALLOWANCE))
 
 

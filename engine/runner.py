@@ -91,7 +91,7 @@ class ModelRunner:
         self.prepack, self.quantize, self.int4_group = prepack, quantize, int4_group  # the draft's too
         # a compiled CPU decode step (engine.compiled_decode); quantized weights (fbgemm's packed int8) stay eager
         self.compile = resolve_compile(compile, model, self.device, self.dtype, quantize)
-        self.compile_attention = compiled_attention.wanted(self.cache, compile)  # a 16-bit CPU cache's decode attention
+        self.compile_attention = compiled_attention.wanted(self.cache, compile)  # a CPU cache's decode attention
         self._attention: compiled_attention.AttentionBuild | None = None  # ... while its compile runs
         self.compile_max_batch = min(compile_max_batch, n_slots)
         self.compile_cache = compile_cache  # the compiled steps' folder (None: engine.compiled_decode's default)
@@ -294,7 +294,7 @@ class ModelRunner:
                  self.compile_max_batch)
 
     def poll_compiled(self) -> bool:
-        """At a step boundary: install the compiled steps (and a 16-bit cache's compiled attention) once their
+        """At a step boundary: install the compiled steps (and the cache's compiled attention) once their
         background compile has finished; True when it did (the stats changed)."""
         changed = False
         if self._attention is not None and self._attention.done:

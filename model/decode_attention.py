@@ -68,4 +68,24 @@ def build(cache_k: torch.Tensor) -> Callable[..., torch.Tensor]:
     with torch.inference_mode():  # as the engine's steps run (a guard: another mode would compile again)
         for rows, S in shapes:
             fn(torch.zeros(rows, 1, H, D).transpose(1, 2), k, v, 0, rows, S, torch.ones(rows, dtype=torch.long))
+        _check(fn, k, v, rows=min(n_slots, 3))
     return fn
+
+
+def _check(fn: Callable[..., torch.Tensor], k: torch.Tensor, v: torch.Tensor, rows: int) -> None:
+    """Raise unless `fn` equals fp32 SDPA over each row's own keys on random data, at one row and at `rows`. A
+    kernel from inductor's on-disk cache made under another vector ISA (`ATEN_CPU_CAPABILITY=avx2` after an AVX-512
+    run, same cache folder) returned values of 1e23 here: the engine then keeps SDPA (one log line)."""
+    g = torch.Generator().manual_seed(0)
+    S = min(2 * KEY_BLOCK, k.size(2))
+    k[:rows, :, :S] = torch.randn(rows, k.size(1), S, k.size(3), generator=g).to(k.dtype)
+    v[:rows, :, :S] = torch.randn(rows, v.size(1), S, v.size(3), generator=g).to(v.dtype)
+    for n in sorted({1, rows}):
+        q = torch.randn(n, 1, k.size(1), k.size(3), generator=g).transpose(1, 2)
+        visible = torch.tensor([S - 3 * i for i in range(n)])
+        got = fn(q, k, v, 0, n, S, visible)
+        ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            q[b:b + 1], k[b:b + 1, :, :m].float(), v[b:b + 1, :, :m].float()) for b, m in enumerate(visible.tolist())])
+        err = (got.float() - ref).abs().max().item()
+        if not err <= 1e-3:  # (also NaN) fp32 sums in another order: ~1e-6
+            raise RuntimeError(f"the compiled decode attention differs from SDPA by {err:.3g} ({n} rows)")

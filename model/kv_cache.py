@@ -65,8 +65,8 @@ class KVCache:
         self.lengths = [0] * n_slots
         self.lengths_t = torch.zeros(n_slots, dtype=torch.long, device=device)
         self._arange = torch.arange(max(max_len, n_slots), device=device)  # positions are views of this
-        # a 16-bit cache on a CPU: its decode steps' attention, compiled (model.decode_attention.build), once the
-        # engine has it; None: SDPA
+        # on a CPU: its decode steps' attention, compiled (model.decode_attention.build), once the engine has it
+        # (a 16-bit cache uses it at every batch, fp32 from two rows: `_loops`); None: SDPA
         self.decode_attention: Callable[..., torch.Tensor] | None = None
 
     @property
@@ -240,8 +240,9 @@ class CacheStep:
         """Attention of the step's queries q (B, H, T, D) over the keys and values `update` returned, each row over
         the entries it may see.
 
-        A 16-bit cache on a CPU decoding one token a row, once the engine has compiled them: model.decode_attention's
-        loops, which read the cache in 16 bits and give a row the same result alone or batched. Until then (and for
+        A CPU cache decoding one token a row (16-bit: any rows; fp32: from two), once the engine has compiled them:
+        model.decode_attention's loops, which read the cache in its dtype and give a row the same result alone or
+        batched. Until then (and for
         several tokens a row), rows of different lengths attend one call each, over just their own keys (the mask
         only where a row adds several tokens). PyTorch's CPU attention splits the keys into blocks by their count
         (512 at most, else all of them), so one padded call over the batch's longest row rounds a row differently

@@ -137,6 +137,22 @@ def test_an_fp32_cache_attends_through_the_loops_from_two_rows_and_through_sdpa_
     assert cache.plan(range(1), 1).loops is None  # one row: SDPA (faster there)
     assert cache.plan([0, 2], 1).loops is None  # rows not in consecutive slots
     assert cache.plan(range(3), 2).loops is None  # several tokens a row (verification, prefill)
+    # a row batched (loops) against the same row alone (SDPA): the same attention to fp32's rounding
+    g = torch.Generator().manual_seed(3)
+    for t in cache.k + cache.v:
+        t[:3, :, :300] = torch.randn(3, H, 300, D, generator=g)
+    q = torch.randn(3, H, 1, D, generator=g)
+    new_kv = [torch.randn(3, H, 1, D, generator=g) for _ in range(2)]
+
+    def attend(slots):  # the same positions each time (no advance)
+        step = cache.plan(slots, 1)
+        k, v = step.update(cache.k[0], cache.v[0], new_kv[0][list(slots)], new_kv[1][list(slots)])
+        with torch.inference_mode():
+            return step.attend(q[list(slots)], k, v)
+
+    batched = attend(range(3))
+    for r in range(3):
+        torch.testing.assert_close(attend(range(r, r + 1)), batched[r:r + 1], atol=1e-6, rtol=1e-5)
 
 
 def test_a_failed_attention_compile_leaves_sdpa_with_one_log_line(monkeypatch, caplog):
@@ -153,3 +169,18 @@ def test_a_failed_attention_compile_leaves_sdpa_with_one_log_line(monkeypatch, c
     assert lines == ["decode attention over the bfloat16 cache not compiled (RuntimeError: no C++ compiler); "
                      "attending through SDPA"]
     assert compiled_attention.wanted(r.cache, "auto")
+
+
+def test_a_compiled_attention_that_differs_from_sdpa_is_refused_at_build(monkeypatch):
+    # what a kernel from inductor's cache made under another vector ISA did (values of 1e23): build raises, and the
+    # engine keeps SDPA with one log line (test_a_failed_attention_compile_leaves_sdpa_with_one_log_line)
+    real = torch.compile
+
+    def off_by_one(fn, **kw):
+        compiled = real(fn, **kw)
+        return lambda *args: compiled(*args) + 1.0
+
+    monkeypatch.setattr(decode_attention.torch, "compile", off_by_one)
+    with pytest.raises(RuntimeError, match="the compiled decode attention differs from SDPA by 1 "):
+        decode_attention.build(torch.zeros(4, 2, 128, 16, dtype=torch.bfloat16))
+

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
-from engine.compiled_decode import idle_priority, one_line
+from engine.compiled_decode import COMPILE_LOCK, idle_priority, one_line
 from model import decode_attention
 from model.kv_cache import KVCache
 
@@ -38,12 +38,13 @@ class AttentionBuild:
 
     def _run(self) -> None:
         idle_priority()
-        t0 = time.perf_counter()
-        try:
-            self.fn = decode_attention.build(self.cache.k[0])
-        except Exception as e:  # noqa: BLE001 - a failed compile costs speed, never the engine
-            self.error = one_line(e)
-        self.seconds = round(time.perf_counter() - t0, 2)
+        with COMPILE_LOCK:  # after the decode steps' compile, if one runs (dynamo traces one thing at a time)
+            t0 = time.perf_counter()
+            try:
+                self.fn = decode_attention.build(self.cache.k[0])
+            except Exception as e:  # noqa: BLE001 - a failed compile costs speed, never the engine
+                self.error = one_line(e)
+            self.seconds = round(time.perf_counter() - t0, 2)
 
     @property
     def done(self) -> bool:

@@ -65,6 +65,11 @@ TRACED = ("engine/compiled_decode.py", "engine/plain_draw.py", "engine/sampler/n
           "model/gpt.py", "model/kv_cache.py", "model/linear.py")
 
 
+# held by every background compile in this process (these steps, engine.compiled_attention): dynamo's tracing is
+# not thread-safe; two at once made the export fail ("'GraphModule' object has no attribute '_in_spec'").
+COMPILE_LOCK = threading.Lock()
+
+
 def one_line(e: BaseException) -> str:
     """An exception as the one log line a failed compile or check gets (inductor's messages run to pages)."""
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -224,17 +229,18 @@ class CompiledDecode:
         return self._done.wait(timeout)
 
     def _compile_all(self) -> None:
-        t0 = time.perf_counter()
         torch.set_num_threads(self._threads)  # a new thread starts with every core
         idle_priority()
-        try:
-            self.compile_all()
-        except Exception as e:  # noqa: BLE001 - export / inductor raise many kinds; the engine stays eager
-            self.error = one_line(e)
-            self.steps.clear()
-        finally:
-            self.seconds = round(time.perf_counter() - t0, 2)
-            self._done.set()
+        with COMPILE_LOCK:
+            t0 = time.perf_counter()
+            try:
+                self.compile_all()
+            except Exception as e:  # noqa: BLE001 - export / inductor raise many kinds; the engine stays eager
+                self.error = one_line(e)
+                self.steps.clear()
+            finally:
+                self.seconds = round(time.perf_counter() - t0, 2)
+                self._done.set()
 
     def names(self) -> dict[tuple[int, int, Kind | None], str]:
         return {(b, ctx, kind): f"b{b}-c{ctx}-{kind or 'logits'}.pt2"

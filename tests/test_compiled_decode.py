@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
 
 import engine.compiled_decode as cd
+import model.decode_attention as decode_attention
 import model.linear as L
 from engine.core import EngineCore
 from engine.params import SamplingParams
@@ -120,6 +122,33 @@ def test_the_engine_serves_while_the_step_compiles_and_swaps_it_in_between_steps
     release.set()
     assert core.wait_compiled(30)
     assert run(core, together=False) == first and calls
+
+
+def test_the_decode_step_and_the_attention_compile_one_at_a_time(monkeypatch):
+    """Dynamo traces one thing at a time: the two background compiles at once made the export fail on the bundled
+    model ("'GraphModule' object has no attribute '_in_spec'"), so every server decoded eagerly."""
+    spans: dict = {}
+    stand_in_compiler(monkeypatch, [])
+    inner, real_build = cd.CompiledDecode.compile_all, decode_attention.build
+
+    def timed_compile(self):
+        t = time.perf_counter()
+        time.sleep(0.3)  # long enough for the attention's thread to start meanwhile
+        inner(self)
+        spans["decode"] = (t, time.perf_counter())
+
+    def timed_build(k):
+        t = time.perf_counter()
+        fn = real_build(k)
+        spans["attention"] = (t, time.perf_counter())
+        return fn
+
+    monkeypatch.setattr(cd.CompiledDecode, "compile_all", timed_compile)
+    monkeypatch.setattr(decode_attention, "build", timed_build)
+    core = make_core("on")
+    assert core.stats()["compiled_decode"] and core.stats()["compiled_attention"]
+    (a0, a1), (b0, b1) = sorted(spans.values())
+    assert a1 <= b0, spans
 
 
 def test_a_compile_that_fails_leaves_the_engine_eager_with_one_log_line(monkeypatch, caplog):

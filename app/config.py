@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.sizing import parse_memory
+from engine.stream_interval import DEFAULT_MS as DEFAULT_STREAM_INTERVAL_MS
 from engine.spec_decode.config import (
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_K,
@@ -131,6 +132,10 @@ class Settings(BaseSettings):
     speculative_draft_p_min: float = Field(DEFAULT_DRAFT_P_MIN, ge=0, lt=1, description="a draft model's proposal "
                                            "ends at a token the draft gives less probability than this (llama.cpp's "
                                            "--draft-p-min)")
+    stream_interval_ms: float = Field(DEFAULT_STREAM_INTERVAL_MS, ge=0, le=1000, description="a running "
+                                      "request's tokens reach its stream at most this many ms apart, several at a "
+                                      "time where decode steps are faster (one message from the engine core per "
+                                      "interval, not per step); first and last tokens at once. 0: every step")
     sse_ping_s: float = Field(15.0, ge=0, description="seconds without an event before a stream gets a "
                                                       "': ping' comment (0: never)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"

@@ -106,6 +106,7 @@ class Service:
                                                                                 ckpt.metadata, ckpt.path)
             core, info, classify = build_core(CoreConfig.from_settings(s), self.loaded)
             self.engine = ThreadEngineClient(core, self.tokenizer, info=info, classify=classify, warmup=s.warmup,
+                                             stream_interval_s=s.stream_interval_ms / 1000,
                                              capacity=capacity_of(info["max_batch_size"]), **hooks)
         else:
             try:

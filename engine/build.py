@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.cpu_tuning import serving_dtype
 from engine.spec_decode import SpecError, parse_speculative
+from engine.stream_interval import DEFAULT_MS as DEFAULT_STREAM_INTERVAL_MS
 from engine.spec_decode.config import (
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_K,
@@ -54,6 +55,7 @@ class CoreConfig:
     compile: str = "auto"
     compile_max_batch: int = 1
     compile_cache: str | None = None
+    stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS
     log_level: str = "info"
     speculative: str = "off"
     num_speculative_tokens: int = DEFAULT_K

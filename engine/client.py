@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.core_loop import CoreLoop
+from engine.stream_interval import DEFAULT_MS
 from engine.output_processor import OutputProcessor, RequestState
 from engine.params import SamplingParams
 from engine.request import EngineRequest, ErrorKind, StructuredSpec
@@ -226,11 +227,11 @@ class ThreadEngineClient(EngineClient):
     """The core loop on a thread of this process (`core`, `info`, `classify` from engine.build.build_core)."""
 
     def __init__(self, core, tokenizer: Tokenizer, *, info: dict | None = None, classify=None, warmup: bool = True,
-                 **kw) -> None:
+                 stream_interval_s: float = DEFAULT_MS / 1000, **kw) -> None:
         super().__init__(tokenizer, **kw)
         self.core = core
         self._inbox: queue.Queue = queue.Queue()
-        self._loop_args = dict(info=info, classify=classify, warmup=warmup)
+        self._loop_args = dict(info=info, classify=classify, warmup=warmup, stream_interval_s=stream_interval_s)
         self._thread: threading.Thread | None = None
         self._closing = False
 

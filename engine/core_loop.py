@@ -1,7 +1,8 @@
 """The engine core's busy loop, the same whether it runs in its own process or in a thread of the server
 (vLLM V1's `EngineCoreProc.run_busy_loop`): take every message waiting (add, abort, classify, ...), run one
-`EngineCore.step`, send each front the step's outputs for its requests in one message; block on the transport
-only while there is nothing to compute.
+`EngineCore.step`, send each front the step's outputs for its requests in one message (held and merged with the
+next steps' for up to the stream interval, engine/stream_interval.py); block on the transport only while there is
+nothing to compute.
 
 A transport has `recv(timeout) -> [(client, message)]` and `send(client, message)`; `engine/client.py`
 has the in-process one (a queue and the event loop's call_soon_threadsafe), `engine/core_process.py`
@@ -16,6 +17,7 @@ from typing import Any
 
 from engine.core import EngineCore
 from engine.request import ErrorKind, RequestOutput
+from engine.stream_interval import DEFAULT_MS, StreamInterval
 from engine.wire import Abort, Add, Classified, Classify, Hello, Outputs, Pause, Ready, Shutdown
 
 log = logging.getLogger("engine")
@@ -31,8 +33,10 @@ class DeviceFailed(RuntimeError):
 
 class CoreLoop:
     def __init__(self, core: EngineCore, transport, *, info: dict[str, Any] | None = None,
-                 classify: Callable[[list], list[dict[str, float]]] | None = None, warmup: bool = True) -> None:
+                 classify: Callable[[list], list[dict[str, float]]] | None = None, warmup: bool = True,
+                 stream_interval_s: float = DEFAULT_MS / 1000) -> None:
         self.core, self.transport = core, transport
+        self.interval = StreamInterval(stream_interval_s)  # running requests' tokens: sent at most this often
         self.info = dict(info or {})
         self.classify = classify
         self.warmup = warmup
@@ -59,14 +63,15 @@ class CoreLoop:
             if self.stopping:
                 break
             if core.has_work() and not self.paused:
-                self.deliver(core.step())
+                outputs = core.step()
+                self.deliver(self.interval.take(outputs, flush=not core.has_work() or core.fatal_error is not None))
                 if core.fatal_error is not None:
                     raise DeviceFailed(core.fatal_error)
             elif msgs or core.has_work():  # aborts changed the counts, or deadlines passed while paused
-                self.deliver(core.expire(), always=True)
+                self.deliver(self.interval.take(core.expire(), flush=True), always=True)
             elif core.poll_compiled():  # the compile finished while idle: /info says so now, not at the next request
                 self.deliver([], always=True)
-        self.deliver(core.shutdown(), always=True)
+        self.deliver(self.interval.take(core.shutdown(), flush=True), always=True)
 
     def handle(self, client, msg) -> None:
         if isinstance(msg, Add):
@@ -80,6 +85,7 @@ class CoreLoop:
             self.owners[msg.request.request_id] = client
         elif isinstance(msg, Abort):
             self.core.abort(msg.request_ids)
+            self.interval.drop(msg.request_ids)
             for rid in msg.request_ids:
                 self.owners.pop(rid, None)
         elif isinstance(msg, Hello):

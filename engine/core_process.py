@@ -143,7 +143,8 @@ def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int, quiet=
     from engine.transport import ZmqTransport
 
     transport = ZmqTransport.bind(address, parent_pid)
-    loop = CoreLoop(core, transport, info=info, classify=classify, warmup=cfg.warmup)
+    loop = CoreLoop(core, transport, info=info, classify=classify, warmup=cfg.warmup,
+                    stream_interval_s=cfg.stream_interval_ms / 1000)
 
     def on_term(signum, frame) -> None:  # ends the loop after the current step; open requests get SHUTDOWN
         loop.stopping = True

@@ -95,17 +95,24 @@ def core_threads(cfg) -> int:
 # of two threads, GPT-2 124M with both).
 FAST_STEP_S = 0.004
 THREAD_GAIN = 1.25
+# A compiled one-row step (engine/compiled_decode.py) reads its weights at memory speed and gains from every core
+# (bundled model in-process 561 -> 364 µs a step with the second of two; through HTTP 1.3-1.5x with the stream
+# interval, docs/performance.md 2026-12-06), which the eager step timed here does not show (1.02-1.06x). A core that
+# compiles its step keeps n threads unless the last one makes the eager step slower than this: a busy core.
+CONTENDED_GAIN = 0.8
 
 
 def choose_threads(core, n: int, repeats: int = 9) -> dict[str, Any]:
     """With GPT_TORCH_THREADS unset, on a CPU of n >= 2 cores: time the core's one-row decode step at n threads;
     under FAST_STEP_S, time it at n - 1 too (interleaved, the fastest of each, on an empty slot) and keep n only
-    when it is THREAD_GAIN faster. Sets torch's threads; returns what it measured (for /info)."""
+    when it is THREAD_GAIN faster, or for a core that compiles its decode step, unless n is CONTENDED_GAIN slower.
+    Sets torch's threads; returns what it measured (for /info)."""
     import torch
 
     if n < 2 or core.device.type != "cpu":
         return {"threads": n, "cores": n, "one_row_step_ms": None, "last_thread_gain": None, "chosen": "all"}
     token = torch.zeros(1, 1, dtype=torch.long, device=core.device)
+    compiled = getattr(core.runner, "compile", "off") == "on"
 
     def step_s(threads: int, calls: int) -> float:
         torch.set_num_threads(threads)
@@ -132,7 +139,7 @@ def choose_threads(core, n: int, repeats: int = 9) -> dict[str, Any]:
                 every.append(step_s(n, calls))
             first = min(every)
             gain = min(fewer) / first
-            chosen = n if gain >= THREAD_GAIN else n - 1
+            chosen = n if gain >= (CONTENDED_GAIN if compiled else THREAD_GAIN) else n - 1
     core.cache.reset(0)
     torch.set_num_threads(chosen)
     log.info("torch threads: %d of %d (one-row step %.2f ms; the last thread's gain %s)", chosen, n, first * 1000,
@@ -175,10 +182,10 @@ THREADS = "threads "
 
 def thread_model_key(core) -> str:
     """What a one-row step's thread choice depends on besides the machine: the model's shape and the formats of
-    its weights and cache (an engine.core.EngineCore)."""
+    its weights and cache, and whether its step is compiled (an engine.core.EngineCore)."""
     c, r = core.model.config, core.runner
     return (f"{c.n_layer}x{c.n_embd}/{c.n_head} vocab {c.vocab_size} weights {r.weights['format']} {r.dtype} "
-            f"cache {r.kv_dtype}").replace("torch.", "")
+            f"cache {r.kv_dtype} step {'compiled' if r.compile == 'on' else 'eager'}").replace("torch.", "")
 
 
 class KernelChoices:

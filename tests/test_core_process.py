@@ -16,6 +16,7 @@ import pytest
 
 from engine.build import CoreConfig, build_core
 from engine.cpu_tuning import (
+    CONTENDED_GAIN,
     THREAD_GAIN,
     KernelChoices,
     choose_threads,
@@ -239,12 +240,17 @@ def test_the_core_uses_every_cpu_by_default_and_the_flag_overrides_it(tiny_ckpt)
         proc.wait(20)
 
 
-def test_choose_threads_keeps_the_last_core_only_for_a_measured_gain(tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("compile_, rules", [
+    ("off", ((THREAD_GAIN + 0.3, 4), (THREAD_GAIN - 0.2, 3))),  # eager: the last core only for a measured gain
+    # a compiled step gains from every core where the eager one does not: n unless the last makes it slower
+    ("on", ((THREAD_GAIN - 0.2, 4), (1.0, 4), (CONTENDED_GAIN - 0.1, 3)))])
+def test_choose_threads_keeps_the_last_core_only_for_a_measured_gain(tiny_ckpt, monkeypatch, compile_, rules):
     import torch
 
     import engine.cpu_tuning as ct
 
-    core, _, _ = build_core(CoreConfig(checkpoint=str(tiny_ckpt), device="cpu", warmup=False))
+    core, _, _ = build_core(CoreConfig(checkpoint=str(tiny_ckpt), device="cpu", warmup=False, compile=compile_))
+    assert core.runner.compile == compile_
     before = torch.get_num_threads()
     try:
         # the step's time comes from a fake clock: the last thread makes it `gain` times faster
@@ -255,7 +261,7 @@ def test_choose_threads_keeps_the_last_core_only_for_a_measured_gain(tiny_ckpt, 
             clock["t"] += 0.001 if torch.get_num_threads() == 4 else 0.001 * clock["gain"]
             return model_forward(*a, **k)
 
-        for gain, want in ((THREAD_GAIN + 0.3, 4), (THREAD_GAIN - 0.2, 3)):
+        for gain, want in rules:
             clock["gain"] = gain
             monkeypatch.setattr(core.model, "forward_cached", timed_forward)
             monkeypatch.setattr(ct.time, "perf_counter", lambda: clock["t"])

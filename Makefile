@@ -34,6 +34,10 @@ test: install
 CPU_ISA_TESTS := tests/test_cpu_support.py tests/test_linear.py tests/test_quantize.py tests/test_sizing.py
 test-cpu-isa: install
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m "slow or not slow" $(CPU_ISA_TESTS)
+	# the compiled decode attention under the cap, in a fresh inductor cache: its on-disk cache does not key a kernel
+	# by the capped ISA (an AVX-512 kernel made before would be reused)
+	d=$$(mktemp -d) && TORCHINDUCTOR_CACHE_DIR=$$d ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+		$(PY) -m pytest -q tests/test_decode_attention.py; rc=$$?; rm -rf $$d; exit $$rc
 
 # Browser test: also needs Debian's chromium (apt-get install -y chromium); skipped with a reason without it.
 test-slow: install

@@ -184,3 +184,57 @@ def test_a_compiled_attention_that_differs_from_sdpa_is_refused_at_build(monkeyp
     with pytest.raises(RuntimeError, match="the compiled decode attention differs from SDPA by 1 "):
         decode_attention.build(torch.zeros(4, 2, 128, 16, dtype=torch.bfloat16))
 
+
+
+def engine(kv_dtype=torch.bfloat16):
+    from engine.core import EngineCore
+
+    model = tiny_model(seed=0, block_size=256)  # rows past a 64-key block's edge
+    return EngineCore(model, n_slots=4, vocab_size=model.config.vocab_size, kv_dtype=kv_dtype, compile="auto")
+
+
+def test_seeded_requests_give_the_same_tokens_alone_or_batched_through_the_compiled_attention():
+    """The engine's promise with the loops installed (the rest of the suite decodes through SDPA): a bf16 cache's
+    rows attend through them at every batch, in whole blocks of keys, so a row's tokens do not depend on its batch."""
+    from engine.params import SamplingParams
+    from engine.request import EngineRequest
+
+    reqs = [(list(range(5, 17)), 0.0, 1.0, 1), (list(range(9, 70)), 0.8, 0.9, 7), (list(range(3, 8)), 1.0, 1.0, 3)]
+
+    def run(core, together: bool) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for i, (prompt, t, top_p, seed) in enumerate(reqs):
+            core.add(EngineRequest(str(i), prompt, SamplingParams(max_new_tokens=40, temperature=t, top_p=top_p),
+                                   seed=seed))
+            while not together and core.has_work():
+                for o in core.step():
+                    out.setdefault(o.request_id, []).extend(o.token_ids)
+        while core.has_work():
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+        return out
+
+    core = engine()
+    core.warmup()
+    core.wait_compiled(300)
+    assert core.stats()["compiled_attention"] and core.cache.decode_attention is not None
+    alone, batched = run(core, together=False), run(core, together=True)
+    assert alone == batched and sorted(map(len, alone.values())) == [40, 40, 40]
+
+
+def test_the_server_says_compiling_until_the_attention_is_installed(monkeypatch):
+    import threading
+
+    release, real = threading.Event(), decode_attention.build
+
+    def held(cache_k):
+        release.wait(60)
+        return real(cache_k)
+
+    monkeypatch.setattr(decode_attention, "build", held)
+    core = engine()
+    core.warmup()
+    assert core.stats()["compiling"] and not core.stats()["compiled_attention"]
+    release.set()
+    core.wait_compiled(300)
+    assert not core.stats()["compiling"] and core.stats()["compiled_attention"]

@@ -75,7 +75,7 @@ def wait_quiet(quiet=None, timeout: float = QUIET_WAIT_S) -> float:
     seconds waited. The core's timings at start-up (tune's kernel choice per shape, kept on disk; the thread count)
     need the CPUs to themselves, and the parent imports the HTTP stack meanwhile (app/__main__.py): a one-row step
     timed beside that took 5-11 ms instead of 2.3 (an OpenMP barrier waiting on a thread the import displaced),
-    which chose every thread for the bundled model, where one serves a stream 1.2-1.5x faster through HTTP."""
+    which chose every thread for the bundled model where one then served a stream 1.2-1.5x faster (eager steps)."""
     t0 = time.perf_counter()
     if quiet is not None:
         quiet.wait(timeout)

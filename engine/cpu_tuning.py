@@ -91,11 +91,11 @@ def core_threads(cfg) -> int:
 
 # A model whose one-row decode step takes under FAST_STEP_S at every thread leaves the last core to the HTTP fronts
 # unless that core makes the step THREAD_GAIN faster: the fronts (detokenizing, SSE, JSON) need CPU in proportion to
-# the tokens a second, which a fast step makes many (docs/performance.md: the bundled model serves faster with one
-# of two threads, GPT-2 124M with both).
+# the tokens a second, which a fast step makes many (docs/performance.md: the bundled model's eager step served
+# faster with one of two threads, GPT-2 124M with both).
 FAST_STEP_S = 0.004
 THREAD_GAIN = 1.25
-# A compiled one-row step (engine/compiled_decode.py) reads its weights at memory speed and gains from every core
+# A compiled one-row step (engine/compiled_decode.py: C++ micro-GEMMs, no per-op overhead) gains from every core
 # (bundled model in-process 561 -> 364 µs a step with the second of two; through HTTP 1.3-1.5x with the stream
 # interval, docs/performance.md 2026-12-06), which the eager step timed here does not show (1.02-1.06x). A core that
 # compiles its step keeps n threads unless the last one makes the eager step slower than this: a busy core.

@@ -13,7 +13,6 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.sizing import parse_memory
-from engine.stream_interval import DEFAULT_MS as DEFAULT_STREAM_INTERVAL_MS
 from engine.spec_decode.config import (
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_K,
@@ -22,6 +21,7 @@ from engine.spec_decode.config import (
     DEFAULT_NGRAM_MIN,
     parse_speculative,
 )
+from engine.stream_interval import DEFAULT_MS as DEFAULT_STREAM_INTERVAL_MS
 from model.device import device_name, dtype_name
 
 

@@ -14,7 +14,6 @@ from typing import Any
 
 from engine.cpu_tuning import serving_dtype
 from engine.spec_decode import SpecError, parse_speculative
-from engine.stream_interval import DEFAULT_MS as DEFAULT_STREAM_INTERVAL_MS
 from engine.spec_decode.config import (
     DEFAULT_DRAFT_P_MIN,
     DEFAULT_K,
@@ -22,6 +21,7 @@ from engine.spec_decode.config import (
     DEFAULT_NGRAM_MAX,
     DEFAULT_NGRAM_MIN,
 )
+from engine.stream_interval import DEFAULT_MS as DEFAULT_STREAM_INTERVAL_MS
 
 # torch and the model's modules are imported inside the functions below: engine/core_process.py imports this module
 # at its top, and its spawned child must set OpenMP's waits (engine.cpu_tuning.set_openmp_waits) before torch loads.

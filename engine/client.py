@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.core_loop import CoreLoop
-from engine.stream_interval import DEFAULT_MS
 from engine.output_processor import OutputProcessor, RequestState
 from engine.params import SamplingParams
 from engine.request import EngineRequest, ErrorKind, StructuredSpec
+from engine.stream_interval import DEFAULT_MS
 from engine.wire import (
     Abort,
     Add,

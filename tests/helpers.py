@@ -99,3 +99,17 @@ def make_corpus(n_lines: int = 600, seed: int = 0) -> str:
             lines.append(f"\n{rng.choice(names)}:")
         lines.append(" ".join(rng.choices(words, k=rng.randint(4, 10))).capitalize() + rng.choice(".,;!?"))
     return "\n".join(lines) + "\n"
+
+
+def run_alone_or_together(core, requests: list, together: bool) -> dict[str, list[int]]:
+    """Each EngineRequest's tokens through `core`: one at a time (batch 1 throughout), or all added at once."""
+    out: dict[str, list[int]] = {}
+    for req in requests:
+        core.add(req)
+        while not together and core.has_work():
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+    while core.has_work():
+        for o in core.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    return out

@@ -18,7 +18,7 @@ import model.linear as L
 from engine.core import EngineCore
 from engine.params import SamplingParams
 from engine.request import EngineRequest
-from tests.helpers import tiny_model
+from tests.helpers import run_alone_or_together, tiny_model
 
 # (prompt, temperature, top_p, top_k, seed)
 REQUESTS = [(list(range(5, 17)), 0.0, None, 0, 1), (list(range(9, 30)), 0.8, 0.9, 0, 7),
@@ -36,17 +36,10 @@ def make_core(compile: str, wait: bool = True, **kw) -> EngineCore:
 
 def run(core: EngineCore, together: bool) -> dict[str, list[int]]:
     """The requests one at a time (batch 1 throughout), or all at once (batch 3)."""
-    out: dict[str, list[int]] = {}
-    for i, (prompt, t, top_p, top_k, seed) in enumerate(REQUESTS):
-        core.add(EngineRequest(str(i), prompt, SamplingParams(max_new_tokens=24, temperature=t, top_p=top_p or 1.0,
-                                                              top_k=top_k), seed=seed))
-        while not together and core.has_work():
-            for o in core.step():
-                out.setdefault(o.request_id, []).extend(o.token_ids)
-    while core.has_work():
-        for o in core.step():
-            out.setdefault(o.request_id, []).extend(o.token_ids)
-    return out
+    return run_alone_or_together(core, [
+        EngineRequest(str(i), prompt, SamplingParams(max_new_tokens=24, temperature=t, top_p=top_p or 1.0,
+                                                     top_k=top_k), seed=seed)
+        for i, (prompt, t, top_p, top_k, seed) in enumerate(REQUESTS)], together)
 
 
 def stand_in_compiler(monkeypatch, calls: list, shift: float = 0.0, error: Exception | None = None) -> dict:

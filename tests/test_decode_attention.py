@@ -16,7 +16,7 @@ from engine.runner import ModelRunner
 from model import decode_attention
 from model.config import GPTConfig
 from model.kv_cache import KVCache
-from tests.helpers import tiny_model
+from tests.helpers import run_alone_or_together, tiny_model
 
 H, D = 12, 64  # GPT-2's heads
 
@@ -202,17 +202,9 @@ def test_seeded_requests_give_the_same_tokens_alone_or_batched_through_the_compi
     reqs = [(list(range(5, 17)), 0.0, 1.0, 1), (list(range(9, 70)), 0.8, 0.9, 7), (list(range(3, 8)), 1.0, 1.0, 3)]
 
     def run(core, together: bool) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-        for i, (prompt, t, top_p, seed) in enumerate(reqs):
-            core.add(EngineRequest(str(i), prompt, SamplingParams(max_new_tokens=40, temperature=t, top_p=top_p),
-                                   seed=seed))
-            while not together and core.has_work():
-                for o in core.step():
-                    out.setdefault(o.request_id, []).extend(o.token_ids)
-        while core.has_work():
-            for o in core.step():
-                out.setdefault(o.request_id, []).extend(o.token_ids)
-        return out
+        return run_alone_or_together(core, [
+            EngineRequest(str(i), prompt, SamplingParams(max_new_tokens=40, temperature=t, top_p=top_p), seed=seed)
+            for i, (prompt, t, top_p, seed) in enumerate(reqs)], together)
 
     core = engine()
     core.warmup()

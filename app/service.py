@@ -268,8 +268,8 @@ def engine_error(e: EngineError) -> ApiError:
     return ApiError(status, e.message, headers={"Retry-After": "1"} if status == 429 else None)
 
 
-def get_service(request: Request) -> Service:
-    """Dependency: the app's service."""
+async def get_service(request: Request) -> Service:
+    """Dependency: the app's service (async: no thread-pool hop, app.guards.json_only)."""
     return request.app.state.service
 
 

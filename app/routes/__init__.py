@@ -21,8 +21,9 @@ ServiceDep = Annotated[Service, Depends(get_service)]
 BIG_PROMPT = 65_536  # characters: plan (tokenize) such prompts off the event loop
 
 
-def authorized(request: Request, service: ServiceDep) -> None:
-    """Dependency of every route that spends compute: 'Authorization: Bearer <key>' when a key is set."""
+async def authorized(request: Request, service: ServiceDep) -> None:
+    """Dependency of every route that spends compute: 'Authorization: Bearer <key>' when a key is set (async: no
+    thread-pool hop, app.guards.json_only)."""
     service.check_auth(request)
 
 

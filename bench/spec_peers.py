@@ -64,7 +64,7 @@ SERVERS: dict[str, dict[str, Any]] = {
     "ours-ngram": {"kind": "ours", "speculative": "ngram"},
     # 15 proposed tokens: the most one request gets (engine/spec_decode/config.py VERIFY_POSITIONS 16 per pass)
     "ours-ngram-k15": {"kind": "ours", "speculative": "ngram", "args": ["--num-speculative-tokens", "15"]},
-    # threads left to the server (engine.cpu_tuning.choose_threads: one of two cores for a model this small)
+    # threads left to the server (engine.cpu_tuning.choose_threads: both of two cores where the step is compiled)
     "ours-off-auto": {"kind": "ours", "speculative": "off", "default_threads": True},
     # the decode step left eager (GPT_COMPILE=off; the others use the default, auto: compiled for a model this small,
     # engine/compiled_decode.py, waited for by bench/harness.Server.wait_ready)

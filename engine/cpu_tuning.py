@@ -112,7 +112,7 @@ def choose_threads(core, n: int, repeats: int = 9) -> dict[str, Any]:
     if n < 2 or core.device.type != "cpu":
         return {"threads": n, "cores": n, "one_row_step_ms": None, "last_thread_gain": None, "chosen": "all"}
     token = torch.zeros(1, 1, dtype=torch.long, device=core.device)
-    compiled = getattr(core.runner, "compile", "off") == "on"
+    compiled = core.runner.compile == "on"
 
     def step_s(threads: int, calls: int) -> float:
         torch.set_num_threads(threads)

@@ -129,6 +129,7 @@ class EngineCore:
     compile_seconds = _runner_attr("compile_seconds")
     compile_source = _runner_attr("compile_source")
     attention_seconds = _runner_attr("attention_seconds")
+    kv_resident_seconds = _runner_attr("kv_resident_seconds")
     warmup_error = _runner_attr("warmup_error")
     warmup_seconds = _runner_attr("warmup_seconds")
     prefill_chunks = _runner_attr("prefill_chunks")
@@ -353,6 +354,7 @@ class EngineCore:
                 "weights": self.weights["format"],
                 "weight_bytes": self.weight_bytes, "kv_bytes": self.cache.nbytes(),
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+                "kv_resident": self.cache.resident, "kv_resident_seconds": self.kv_resident_seconds,
                 "compiled_attention": self.cache.decode_attention is not None,
                 "attention_compile_seconds": self.attention_seconds,
                 "speculative": self.speculator.stats() if self.speculator is not None else None}

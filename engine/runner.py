@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engine import compiled_attention
+from engine.cache_pages import ResidentFill
 from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
 from engine.compiled_decode import one_line
 from engine.compiled_decode import resolve_mode as resolve_compile
@@ -76,7 +77,9 @@ class ModelRunner:
         self.n_slots = n_slots
         self.kv_dtype = kv_dtype or self.dtype
         try:
-            self.cache = KVCache(model.config, n_slots, self.max_len, dtype=self.kv_dtype, device=self.device)
+            # on a CPU on untouched zero pages, made resident in the background from warm-up on (engine.cache_pages)
+            self.cache = KVCache(model.config, n_slots, self.max_len, dtype=self.kv_dtype, device=self.device,
+                                 resident=False)
         except RuntimeError as e:  # out of memory (CPU allocator or CUDA)
             raise SizingError(f"cannot allocate the KV cache ({n_slots} slots x {self.max_len} tokens): "
                               f"{type(e).__name__}: {e}") from e
@@ -120,6 +123,8 @@ class ModelRunner:
         self.compile_seconds: float | None = None  # the compiled decode step's start-up cost, once made
         self.compile_source: str | None = None  # "compiled" or "cache" (engine.compiled_decode)
         self.attention_seconds: float | None = None  # the compiled decode attention's build, once done
+        self._filling: ResidentFill | None = None  # the lazily allocated cache's pages, made resident after warm-up
+        self.kv_resident_seconds: float | None = None  # ... how long that took, once done
         # counters of what it computed (read by EngineCore.stats())
         self.prefill_chunks = 0
         self.prompt_tokens = 0  # computed (prefilled)
@@ -253,6 +258,8 @@ class ModelRunner:
             if self.compile_attention:
                 self._attention = compiled_attention.AttentionBuild(self.cache)
                 self._attention.start()
+            if not self.cache.resident:  # after every start-up timing: its memory traffic would disturb them
+                self._filling = ResidentFill(self.cache).start()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.warmup_seconds = round(time.perf_counter() - t0, 2)
@@ -295,8 +302,12 @@ class ModelRunner:
 
     def poll_compiled(self) -> bool:
         """At a step boundary: install the compiled steps (and the cache's compiled attention) once their
-        background compile has finished; True when it did (the stats changed)."""
+        background compile has finished, and note the cache's pages made resident; True when one did (the stats
+        changed)."""
         changed = False
+        if self._filling is not None and self._filling.wait(0):
+            self.kv_resident_seconds, self._filling = self._filling.seconds, None
+            changed = True
         if self._attention is not None and self._attention.done:
             self._install_attention()
             changed = True
@@ -308,6 +319,8 @@ class ModelRunner:
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for the background compiles and install what they made (tests, benchmarks); True when compiled
         steps are in use."""
+        if self._filling is not None and self._filling.wait(timeout):
+            self.kv_resident_seconds, self._filling = self._filling.seconds, None
         if self._attention is not None and self._attention.wait(timeout):
             self._install_attention()
         if self._compiling is not None and self._compiling.wait(timeout):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model import decode_attention
+from model import decode_attention, zero_pages
 from model.config import GPTConfig
 
 
@@ -46,6 +46,7 @@ class KVCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        resident: bool = True,
     ) -> None:
         max_len = config.block_size if max_len is None else max_len
         if not 0 < max_len <= config.block_size:
@@ -54,11 +55,15 @@ class KVCache:
             raise ValueError(f"n_slots must be positive, got {n_slots}")
         self.n_slots, self.max_len = n_slots, max_len
         shape = (n_slots, config.n_head, max_len, config.head_dim)
-        # written at allocation (resident from start-up): a lazily touched mapping, with or without huge pages, kept
-        # an idle server's cache out of memory but decoded slower (reads of never-written pages go through the
-        # kernel's zero page; docs/performance.md has the runs). GPT_KV_CACHE_MEMORY and GPT_KV_CACHE_DTYPE bound it
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        # resident=False on a CPU: the cache lies on untouched zero pages (model.zero_pages), free until used, and
+        # its owner makes it resident later (`make_resident`, in the background: engine.cache_pages), so a server
+        # starts without writing gigabytes of zeros; a cache left untouched decodes slower (reads of unwritten
+        # pages go through the kernel's zero page; docs/performance.md). Default: written at allocation.
+        lazy = not resident and torch.device(device).type == "cpu" and zero_pages.supported()
+        self.k, self.v = ([zero_pages.untouched_zeros(shape, dtype) if lazy else
+                           torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+                          for _ in range(2))
+        self.resident = not lazy
         # Tokens held per slot. Plain ints: the scheduler reads them every step and
         # they must not force a device sync. A device copy feeds positions and masks
         # when the slots of a step hold different lengths (no host→device copy per step).
@@ -75,6 +80,14 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def make_resident(self) -> None:
+        """Fault in a lazily allocated cache's pages (seconds for gigabytes; safe while it is in use, from another
+        thread: model.zero_pages). OSError if the kernel refuses (the cache then stays as it is, correct)."""
+        if not self.resident:
+            for t in self.k + self.v:
+                zero_pages.make_resident(t)
+            self.resident = True
 
     def reset(self, slot: int) -> None:
         """Free a slot. Old keys stay in memory but are masked out by the length."""

@@ -11,6 +11,7 @@ from engine.core import EngineCore
 from engine.generate import generate
 from engine.params import SamplingParams
 from engine.request import EngineRequest, ErrorKind
+from model import zero_pages
 from model.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -314,3 +315,23 @@ def test_each_weight_format_gives_a_seeded_request_the_same_tokens_alone_and_bat
     for r in requests(ck):
         alone = drive(core(1)[0], [r])
         assert [o.token_ids for o in alone[r.request_id]] == [o.token_ids for o in got[r.request_id]], fmt
+
+
+def test_the_cache_starts_unwritten_and_is_made_resident_after_warm_up(ckpt):
+    """A CPU engine allocates its KV cache on untouched zero pages (start-up writes none of it) and faults them in
+    from warm-up on, in the background (engine.cache_pages); the tokens are the library's either way (the tests
+    above run on a cache never made resident)."""
+    if not zero_pages.supported():
+        pytest.skip("needs Linux 5.14+ (MADV_POPULATE_WRITE)")
+    core = EngineCore(ckpt.model, n_slots=2, vocab_size=ckpt.tokenizer.vocab_size, eos_id=ckpt.tokenizer.eot_id,
+                      compile="off")
+    assert not core.cache.resident and core.stats()["kv_resident"] is False
+    core.warmup()
+    core.wait_compiled(60)
+    stats = core.stats()
+    assert core.cache.resident and stats["kv_resident"] is True and stats["kv_resident_seconds"] >= 0
+    out = drive(core, requests(ckpt, CASES[:2]))
+    solo = drive(EngineCore(ckpt.model, n_slots=2, vocab_size=ckpt.tokenizer.vocab_size,
+                            eos_id=ckpt.tokenizer.eot_id, compile="off"), requests(ckpt, CASES[:2]))
+    assert [t for o in out["0"] for t in o.token_ids] == [t for o in solo["0"] for t in o.token_ids]
+    assert [t for o in out["1"] for t in o.token_ids] == [t for o in solo["1"] for t in o.token_ids]

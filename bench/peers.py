@@ -62,6 +62,8 @@ SERVERS: dict[str, dict[str, Any]] = {
     "ours-bf16": {"kind": "ours", "weights": "bf16"},
     # our weight formats (model/linear.py) beside llama.cpp's of the same bits: int8 vs q8_0, int4 vs q4_0
     "ours-eager": {"kind": "ours", "weights": "fp32", "extra_args": ["--compile", "off"]},  # the default: auto
+    # the compiled decode step for any size (auto compiles small models only: engine/compiled_decode.py)
+    "ours-compiled": {"kind": "ours", "weights": "fp32", "extra_args": ["--compile", "on"]},
     # the KV cache in bf16 (half the memory), attended through compiled loops (model/decode_attention.py)
     "ours-kv-bf16": {"kind": "ours", "weights": "fp32", "extra_args": ["--kv-cache-dtype", "bf16"]},
     "ours-int8": {"kind": "ours", "weights": "fp32", "quantize": "int8"},

@@ -2,8 +2,8 @@
 
 The CPU counterpart of engine/cuda_graphs.py, built as torchchat builds its runner's step: `torch.export` of one
 static-shape decode step (`GPT.decode_static`, and for plain rows the draw too: engine/plain_draw.py) per
-(batch, context, kind) bucket, compiled by AOTInductor into a package of C++ kernels and a C++ wrapper
-(`aoti_compile_and_package`), loaded with `aoti_load_package` and called with the live cache's tensors. Inductor's
+(batch, context, kind) bucket, compiled by AOTInductor into a library of C++ kernels and a C++ wrapper
+(`aoti_compile_and_package`, then `unpack`), run by AOTInductor's C++ runner with the live cache's tensors. Inductor's
 CPU options: `freezing` (weights as constants) and `max_autotune` over its C++ GEMM micro-kernels, which is what
 pays for one-row matmuls. Against the same graph through `torch.compile`, the C++ wrapper also drops dynamo's frame
 evaluation and AOT autograd's runtime wrappers, ~40% of the bundled model's compiled step (docs/performance.md,
@@ -21,14 +21,20 @@ evaluation and AOT autograd's runtime wrappers, ~40% of the bundled model's comp
   source of the code traced (beside them `kernels.json`: the eager one-row kernel choices, engine.cpu_tuning).
   A restart on the same machine loads the packages in milliseconds instead of compiling for minutes; a package
   that does not load (corrupt, another torch) is compiled again, with one log line.
+- **One copy of the weights for all buckets**: every package freezes the same weights (packed for its GEMMs); they
+  are kept out of the libraries, once per distinct tensor (`unpack`: the folder's `weights/`), memory-mapped at load
+  and handed to each step as its user-managed constants. GPT-2 124M's 15 one-row packages held 657 MB each: a
+  server with them idled at 18 GB (docs/performance.md).
 - A compile that fails, or a replay that differs from eager decoding, leaves the engine eager with one log line.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -57,7 +63,13 @@ MODES = ("off", "on", "auto")
 AUTO_MAX_BLOCK_PARAMS = 16_000_000
 # inductor's options for the CPU step (torch/_inductor/config.py): weights as constants (freezing: packed once),
 # max_autotune choosing between aten's GEMM and inductor's C++ micro-kernel per shape
-CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+               # the frozen weights out of the package's library, in a blob beside it: `unpack` keeps one copy of
+               # each on disk and in memory for all packages (GPT-2's 15 each held their own 657 MB: 18 GB idle)
+               "aot_inductor.package_constants_in_so": False,
+               "aot_inductor.package_constants_on_disk_format": "binary_blob"}
+WEIGHTS = "weights"  # a folder's shared constants: WEIGHTS/<sha256>, and MANIFEST: step → constant → its file
+MANIFEST = "weights.json"
 DEFAULT_MAX_BATCH = 1
 # the code a package was traced from: a change to any of these files makes new packages
 TRACED = ("engine/compiled_decode.py", "engine/plain_draw.py", "engine/sampler/noise.py", "engine/sampler/sampler.py",
@@ -167,25 +179,120 @@ def plain_twin(model: GPT) -> GPT:
     return twin.eval()
 
 
-def build_package(step: Step, example: tuple, path: Path) -> None:
-    """Export `step` at the example inputs' shapes and compile it with AOTInductor into the package `path`."""
+def build_package(step: Step, example: tuple, path: Path, store: Path) -> dict[str, list]:
+    """Export `step` at the example inputs' shapes, compile it with AOTInductor into the library `path` and its
+    constants into the shared `store` (`unpack`); returns its manifest."""
+    pt2 = path.with_name(path.name + ".pt2")
     with torch.no_grad():
         ep = torch.export.export(step, example, strict=True)  # dynamo's tracing: model/linear.py's F.linear branch
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=dict(CPU_OPTIONS))
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(pt2), inductor_configs=dict(CPU_OPTIONS))
+    return unpack(pt2, path, store)
 
 
-def load_package(path: Path):
-    """A compiled step from its package: called with `Step`'s inputs, it returns `Step`'s outputs. It calls the
-    package's C++ runner with the flat inputs itself: the runner's Python wrapper parses its call spec (JSON) and
-    flattens the arguments with pytree on every call, ~5% of the bundled model's step (docs/performance.md)."""
-    from torch._inductor import aoti_load_package
+_CONSTANT = re.compile(r"constants_info_\[(\d+)\]\.(name|dtype|offset|data_size|from_folded|shape|stride|layout)"
+                       r" = (.+?);$", re.M)
 
-    run = aoti_load_package(str(path)).loader.boxed_run
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.strip("{} ").split(",") if v.strip()]
+
+
+def package_constants(wrapper_cpp: str, blob: bytes) -> dict[str, tuple[bytes, torch.dtype, list, list, int]]:
+    """A package's frozen constants by name (as its runner names them): their bytes, dtype, shape, stride and
+    offset. The blob (`package_constants_on_disk_format="binary_blob"`) holds them one after another, in the order
+    of the wrapper's `constants_info_` (what the runtime's `load_constants` reads, model_base.h); read from there
+    because the runner's own `extract_constants_map` keys them by original fqn, which two packed weights of one
+    matmul share (torch 2.13), so one of them would be lost."""
+    info: dict[int, dict[str, str]] = {}
+    for i, field, value in _CONSTANT.findall(wrapper_cpp):
+        info.setdefault(int(i), {})[field] = value
+    out, at = {}, 0
+    for i in sorted(info):
+        c = info[i]
+        if c["from_folded"] == "true":
+            continue
+        if not c["layout"].endswith("cached_torch_layout_strided)"):
+            raise ValueError(f"constant {c['name']}: layout {c['layout']} cannot be shared")
+        size = int(c["data_size"])
+        dtype = getattr(torch, c["dtype"].removeprefix("cached_torch_dtype_"))
+        out[c["name"].strip('"')] = (blob[at:at + size], dtype, _ints(c["shape"]), _ints(c["stride"]),
+                                     int(c["offset"]))
+        at += size
+    if at != len(blob):
+        raise ValueError(f"the constants take {at} bytes of a {len(blob)}-byte blob")
+    return out
+
+
+def unpack(pt2: Path, so: Path, store: Path) -> dict[str, list] | None:
+    """The package `pt2`'s library as `so` and its constants into `store` (one file per distinct constant, named by
+    its sha256: every package of a model freezes the same weights, GPT-2's 15 one-row packages held 657 MB each);
+    returns the package's manifest: name → [file, dtype, shape, stride, offset], or None where a constant is opaque
+    and the package keeps its own blob (`so` + ".blob"). Removes `pt2`."""
+    import zipfile
+
+    with zipfile.ZipFile(pt2) as z:
+        names = z.namelist()
+        wrapper = z.read(next(n for n in names if n.endswith(".wrapper.cpp"))).decode()
+        blobs = [n for n in names if n.endswith(".blob")]
+        blob = z.read(blobs[0]) if blobs else b""
+        so.write_bytes(z.read(next(n for n in names if n.endswith(".so"))))
+    try:
+        constants = package_constants(wrapper, blob)
+    except ValueError:  # an opaque constant (oneDNN's packed weight, where autotuning chose ATen's linear): this
+        so.with_name(so.name + ".blob").write_bytes(blob)  # package keeps its own copy
+        pt2.unlink()
+        return None
+    manifest = {}
+    for name, (data, dtype, shape, stride, offset) in constants.items():
+        digest = hashlib.sha256(str(dtype).encode() + data).hexdigest()[:32]
+        if not (store / digest).exists():
+            (store / digest).write_bytes(data)
+        manifest[name] = [digest, str(dtype).removeprefix("torch."), shape, stride, offset]
+    pt2.unlink()
+    return manifest
+
+
+def load_steps(folder: Path, names: list[str]) -> dict[str, object]:
+    """The compiled steps `names` (libraries in `folder`), each given its constants from the folder's shared store
+    (`unpack`): each distinct constant memory-mapped once and handed to every step that uses it (AOTInductor's
+    user-managed constants: the runner keeps pointers, no copy)."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    shared: dict[str, torch.Tensor] = {}
+    steps = {}
+    for name in names:
+        if manifest[name] is None:  # its own blob (`unpack`)
+            steps[name] = load_step(folder / name, None)
+            continue
+        constants = {}
+        for const, (digest, dtype, shape, stride, offset) in manifest[name].items():
+            dt = getattr(torch, dtype)
+            if digest not in shared:
+                n = (folder / WEIGHTS / digest).stat().st_size // torch.empty((), dtype=dt).element_size()
+                shared[digest] = (torch.from_file(str(folder / WEIGHTS / digest), shared=False, size=n, dtype=dt)
+                                  if n else torch.empty(0, dtype=dt))
+            constants[const] = shared[digest].as_strided(shape, stride, offset)
+        steps[name] = load_step(folder / name, constants)
+    return steps
+
+
+def load_step(path: Path, constants: dict[str, torch.Tensor] | None):
+    """A compiled step from its library and its constants: called with `Step`'s inputs, it returns `Step`'s
+    outputs. It calls AOTInductor's C++ runner with the flat inputs itself (a package's Python wrapper parses its
+    call spec and flattens the arguments with pytree on every call, ~5% of the bundled model's step:
+    docs/performance.md). The step keeps `constants` alive: the runner holds pointers into them. None: the
+    library's own blob beside it."""
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
+    if constants is None:
+        runner.update_constant_buffer_from_blob(str(path.with_name(path.name + ".blob")))
+    else:  # (map, use_inactive, validate_full_update, user_managed)
+        runner.update_constant_buffer(constants, False, True, True)
+    run = runner.run
 
     def step(*inputs: torch.Tensor):
-        out = run(list(inputs))  # boxed: the runner empties the list it is given
+        out = run(inputs)
         return out[0] if len(out) == 1 else tuple(out)
 
+    step.constants = constants
     return step
 
 
@@ -243,7 +350,7 @@ class CompiledDecode:
                 self._done.set()
 
     def names(self) -> dict[tuple[int, int, Kind | None], str]:
-        return {(b, ctx, kind): f"b{b}-c{ctx}-{kind or 'logits'}.pt2"
+        return {(b, ctx, kind): f"b{b}-c{ctx}-{kind or 'logits'}.so"
                 for b in self.buckets for ctx in self.contexts for kind in self.kinds}
 
     def key(self) -> str:
@@ -266,7 +373,7 @@ class CompiledDecode:
         tensors: the live cache is never written from here) and save them there."""
         folder = self.folder = self.cache_dir / self.key()
         names = self.names()
-        if folder.is_dir() and not all((folder / n).is_file() for n in names.values()):
+        if folder.is_dir() and not all((folder / n).is_file() for n in [*names.values(), MANIFEST]):
             shutil.rmtree(folder, ignore_errors=True)  # not made by this code (a crash cannot leave one half made)
         if folder.is_dir():
             try:
@@ -288,9 +395,12 @@ class CompiledDecode:
             folder = self.folder = self.cache_dir / folder.name
         twin = plain_twin(self.model)
         with tempfile.TemporaryDirectory(dir=self.cache_dir) as tmp:
+            (Path(tmp) / WEIGHTS).mkdir()
+            manifest = {}
             for (b, ctx, kind), name in names.items():
-                build_package(Step(twin, self.cache.max_len, ctx, kind, *self._vocab_block()), self._scratch(b),
-                              Path(tmp) / name)
+                manifest[name] = build_package(Step(twin, self.cache.max_len, ctx, kind, *self._vocab_block()),
+                                               self._scratch(b), Path(tmp) / name, Path(tmp) / WEIGHTS)
+            (Path(tmp) / MANIFEST).write_text(json.dumps(manifest))
             try:
                 os.replace(tmp, folder)  # whole or not at all: a crash leaves no half folder under the key
                 os.mkdir(tmp)  # for TemporaryDirectory's clean-up
@@ -300,8 +410,8 @@ class CompiledDecode:
         self.source = "compiled"
 
     def _load(self, folder: Path, names: dict) -> None:
-        for key, name in names.items():
-            self.steps[key] = load_package(folder / name)
+        steps = load_steps(folder, list(names.values()))
+        self.steps.update((key, steps[name]) for key, name in names.items())
 
     def _vocab_block(self) -> tuple[int, int]:
         return (self.sampler.vocab_size, self.sampler.block) if self.sampler else (0, 0)

@@ -27,7 +27,7 @@ from engine.cache_pages import ResidentFill
 from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
 from engine.compiled_decode import one_line
 from engine.compiled_decode import resolve_mode as resolve_compile
-from engine.cpu_tuning import KernelChoices
+from engine.cpu_tuning import KernelChoices, release_freed_memory
 from engine.ops import Admit, Copy, Draw, Free, Idle, Move, Op
 from engine.params import SamplingParams
 from engine.prompt_logprobs import PromptScorer
@@ -80,7 +80,7 @@ class ModelRunner:
             # on a CPU on untouched zero pages, made resident in the background from warm-up on (engine.cache_pages)
             self.cache = KVCache(model.config, n_slots, self.max_len, dtype=self.kv_dtype, device=self.device,
                                  resident=False)
-        except RuntimeError as e:  # out of memory (CPU allocator or CUDA)
+        except (RuntimeError, OSError) as e:  # out of memory (CPU allocator, an anonymous mapping, or CUDA)
             raise SizingError(f"cannot allocate the KV cache ({n_slots} slots x {self.max_len} tokens): "
                               f"{type(e).__name__}: {e}") from e
         self.sampler = Sampler(n_slots, vocab_size, self.max_len, self.device, eos_id=eos_id)
@@ -343,6 +343,8 @@ class ModelRunner:
         compiled, self._compiling = self._compiling, None
         self.compile_seconds, self.compile_source = compiled.seconds, compiled.source
         drop_plain(self.model)  # the compile has read the plain weights (or failed): eager steps never do
+        release_freed_memory()  # those, and what the compile freed (GPT-2's: 8.7 GB resident after it), kept by
+        # engine.cpu_tuning.keep_freed_memory's heap
         try:
             same = compiled.error is None and compiled.check()
         except Exception as e:  # noqa: BLE001 - a failing check costs speed, never the engine

@@ -48,13 +48,14 @@ def stand_in_compiler(monkeypatch, calls: list, shift: float = 0.0, error: Excep
     wrong or failing compile). Returns the packages built, by file name."""
     built: dict = {}
 
-    def build(step, example, path):
+    def build(step, example, path, store):
         if error is not None:
             raise error
         path.write_text("stand-in package")
         built[path.name] = step
+        return {}  # no constants
 
-    def load(path):
+    def load(path, constants):
         if path.read_text() != "stand-in package":
             raise RuntimeError("PytorchStreamReader failed reading zip archive")
         step = built[path.name]
@@ -67,7 +68,7 @@ def stand_in_compiler(monkeypatch, calls: list, shift: float = 0.0, error: Excep
         return run
 
     monkeypatch.setattr(cd, "build_package", build)
-    monkeypatch.setattr(cd, "load_package", load)
+    monkeypatch.setattr(cd, "load_step", load)
     return built
 
 
@@ -211,7 +212,7 @@ def test_a_restart_loads_the_compiled_steps_from_the_cache_keyed_by_what_they_de
     assert again.stats()["compile_source"] == "cache" and len(builds) == 5 and again.stats()["compiled_decode"]
     assert run(again, together=False) == run(make_core("off"), together=False)
 
-    package = next(p for p in folders()[0].iterdir() if p.suffix == ".pt2")
+    package = next(p for p in folders()[0].iterdir() if p.suffix == ".so")
     package.write_bytes(b"\0garbage")  # a corrupt package: compiled again, one log line
     with caplog.at_level(logging.WARNING, logger="engine.compiled_decode"):
         mended = make_core("on")
@@ -259,3 +260,37 @@ def test_speculation_pauses_on_the_batches_the_compiled_step_serves(monkeypatch)
                 out.setdefault(name, []).extend(o.token_ids)
     assert spec.stats()["speculative"]["verify_steps"] == 0  # its eager verify pass costs more than it saves
     assert {kind for _, kind in calls[made:]} == {"greedy"} and out["spec"] == out["plain"]
+
+
+class _Shifted(torch.nn.Module):
+    """Two Linears and a shift: the packages of one model differ in their graphs, not in their weights."""
+
+    def __init__(self, net: torch.nn.Module, shift: float) -> None:
+        super().__init__()
+        self.net, self.shift = net, shift
+
+    def forward(self, x):
+        return self.net(x) + self.shift
+
+
+def test_packages_keep_one_copy_of_their_constants(tmp_path):
+    """Real AOTInductor (the server's options) on a small module, two packages: their frozen constants go to one
+    store, each distinct tensor once, the libraries hold none, and each step computes the module's output from the
+    shared copies (the same memory)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64)).eval()
+    x = torch.randn(1, 64)
+    store = tmp_path / cd.WEIGHTS
+    store.mkdir()
+    names = ["s0.so", "s1.so"]
+    manifest = {name: cd.build_package(_Shifted(net, i), (x,), tmp_path / name, store) for i, name in enumerate(names)}
+    (tmp_path / cd.MANIFEST).write_text(__import__("json").dumps(manifest))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*names, cd.WEIGHTS, cd.MANIFEST])  # no .pt2 left
+    digests = [{entry[0] for entry in manifest[n].values()} for n in names]
+    assert digests[0] == digests[1] and len(list(store.iterdir())) == len(digests[0]) >= 2
+    steps = cd.load_steps(tmp_path, names)
+    with torch.no_grad():
+        for i, name in enumerate(names):
+            assert torch.allclose(steps[name](x), net(x) + i, atol=1e-5)
+    a, b = (steps[n].constants for n in names)
+    assert {c: t.data_ptr() for c, t in a.items()} == {c: t.data_ptr() for c, t in b.items()}

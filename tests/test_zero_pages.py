@@ -91,3 +91,18 @@ def test_a_fill_the_kernel_refuses_leaves_the_cache_lazy_and_working(monkeypatch
         "the KV cache stays lazily allocated (decodes slower): " + fill.error]
     cache.v[0][1, 2, 3, 4] = 1.5
     assert float(cache.v[0].sum()) == 1.5
+
+
+def test_a_cache_the_host_cannot_map_is_a_sizing_error_naming_it(monkeypatch):
+    """A mapping the kernel refuses (ENOMEM: larger than memory and swap) is the engine's sizing error, one line,
+    as an allocation that fails was."""
+    from engine.runner import ModelRunner
+    from engine.sizing import SizingError
+    from tests.helpers import tiny_model
+
+    def refuse(shape, dtype):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(zero_pages, "untouched_zeros", refuse)
+    with pytest.raises(SizingError, match=r"cannot allocate the KV cache \(4 slots x 32 tokens\): OSError: .*memory"):
+        ModelRunner(tiny_model(0, vocab_size=64, block_size=32), n_slots=4, vocab_size=64)

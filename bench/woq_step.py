@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import subprocess
 import sys
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from bench.common import REPO, env_info, random_gpt2, write_result
-from engine.compiled_decode import Step, build_package, load_package
+from engine.compiled_decode import MANIFEST, WEIGHTS, Step, build_package, load_steps
 from model.checkpoint import load_checkpoint
 from model.kv_cache import KVCache
 from model.linear import _act, _Served
@@ -80,12 +81,16 @@ def main(argv: list[str] | None = None) -> int:
                *(torch.zeros_like(t) for t in cache.k), *(torch.zeros_like(t) for t in cache.v))
     steps, compile_s = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / WEIGHTS).mkdir()
+        manifest = {}
         for name in ("fp32", "woq8"):
             t0 = time.perf_counter()
-            build_package(Step(variant(model, name), args.context, args.context, None, 0, 0), example,
-                          Path(tmp) / f"{name}.pt2")
+            manifest[f"{name}.so"] = build_package(Step(variant(model, name), args.context, args.context, None, 0, 0),
+                                                   example, Path(tmp) / f"{name}.so", Path(tmp) / WEIGHTS)
             compile_s[name] = round(time.perf_counter() - t0, 1)
-            steps[name] = load_package(Path(tmp) / f"{name}.pt2")
+        (Path(tmp) / MANIFEST).write_text(json.dumps(manifest))
+        loaded = load_steps(Path(tmp), list(manifest))  # mapped: Linux keeps them when the folder goes
+        steps = {name: loaded[f"{name}.so"] for name in ("fp32", "woq8")}
     torch.manual_seed(0)  # a mid-context state: random keys and values, position 100
     inputs = list(example)
     inputs[0], inputs[1] = torch.tensor([[5]]), torch.tensor([min(100, args.context - 1)])

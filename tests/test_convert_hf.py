@@ -53,7 +53,7 @@ def test_greedy_continuation_matches_transformers(hf_model, converted):
     assert ours == ref
 
 
-def test_pytorch_bin_and_errors(hf_model, tmp_path):
+def test_pytorch_bin_and_errors(hf_model, tmp_path, gpt2_tokenizer):  # the checkpoint loads GPT-2's ranks
     model, _ = hf_model
     bin_dir = tmp_path / "bin"
     model.save_pretrained(bin_dir)

@@ -10,39 +10,25 @@ reads of pages not yet resident go through the kernel's zero page. A kernel that
 from __future__ import annotations
 
 import logging
-import threading
-import time
 
-from engine.compiled_decode import idle_priority, one_line
+from engine.idle_job import IdleJob
 from model.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
 
-class ResidentFill:
-    """One background `KVCache.make_resident`: `seconds` once done, else `error`."""
+class ResidentFill(IdleJob):
+    """One background `KVCache.make_resident`: `seconds` once done, else `error` (and a warning)."""
+
+    name = "kv-cache-pages"
+    errors = (OSError,)
 
     def __init__(self, cache: KVCache) -> None:
+        super().__init__()
         self.cache = cache
-        self.seconds: float | None = None
-        self.error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="kv-cache-pages", daemon=True)
 
-    def start(self) -> ResidentFill:
-        self._thread.start()
-        return self
+    def work(self) -> None:
+        self.cache.make_resident()
 
-    def _run(self) -> None:
-        idle_priority()
-        t0 = time.perf_counter()
-        try:
-            self.cache.make_resident()
-        except OSError as e:
-            self.error = one_line(e)
-            log.warning("the KV cache stays lazily allocated (decodes slower): %s", self.error)
-        self.seconds = round(time.perf_counter() - t0, 2)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Whether the fill has ended (done or failed) within `timeout`."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+    def failed(self) -> None:
+        log.warning("the KV cache stays lazily allocated (decodes slower): %s", self.error)

@@ -9,10 +9,8 @@ A compile that fails leaves SDPA in place, with one log line.
 
 from __future__ import annotations
 
-import threading
-import time
-
-from engine.compiled_decode import COMPILE_LOCK, idle_priority, one_line
+from engine.compiled_decode import COMPILE_LOCK
+from engine.idle_job import IdleJob
 from model import decode_attention
 from model.kv_cache import KVCache
 
@@ -23,33 +21,19 @@ def wanted(cache: KVCache, mode: str) -> bool:
     return mode != "off" and cache.device.type == "cpu" and cache.k[0].element_size() in (2, 4)
 
 
-class AttentionBuild:
-    """One background compile of `model.decode_attention` for `cache`: `fn` once done, else `error`."""
+class AttentionBuild(IdleJob):
+    """One background compile of `model.decode_attention` for `cache`, after the decode steps' compile if one runs
+    (COMPILE_LOCK: dynamo traces one thing at a time): `fn` once done, else `error`."""
+
+    name = "compile-attention"
 
     def __init__(self, cache: KVCache) -> None:
+        super().__init__(lock=COMPILE_LOCK)
         self.cache = cache
-        self.fn = None
-        self.error: str | None = None
-        self.seconds: float | None = None
-        self._thread = threading.Thread(target=self._run, name="compile-attention", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        idle_priority()
-        with COMPILE_LOCK:  # after the decode steps' compile, if one runs (dynamo traces one thing at a time)
-            t0 = time.perf_counter()
-            try:
-                self.fn = decode_attention.build(self.cache.k[0])
-            except Exception as e:  # noqa: BLE001 - a failed compile costs speed, never the engine
-                self.error = one_line(e)
-            self.seconds = round(time.perf_counter() - t0, 2)
+    def work(self):
+        return decode_attention.build(self.cache.k[0])
 
     @property
-    def done(self) -> bool:
-        return not self._thread.is_alive() and self._thread.ident is not None
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self._thread.join(timeout)
-        return self.done
+    def fn(self):
+        return self.result

@@ -197,12 +197,14 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.strip("{} ").split(",") if v.strip()]
 
 
-def package_constants(wrapper_cpp: str, blob: bytes) -> dict[str, tuple[bytes, torch.dtype, list, list, int]]:
+def package_constants(wrapper_cpp: str, blob: bytes) -> dict[str, tuple[bytes, torch.dtype, list, list, int]] | None:
     """A package's frozen constants by name (as its runner names them): their bytes, dtype, shape, stride and
-    offset. The blob (`package_constants_on_disk_format="binary_blob"`) holds them one after another, in the order
-    of the wrapper's `constants_info_` (what the runtime's `load_constants` reads, model_base.h); read from there
-    because the runner's own `extract_constants_map` keys them by original fqn, which two packed weights of one
-    matmul share (torch 2.13), so one of them would be lost."""
+    offset; None if one is opaque (oneDNN's packed weight, where autotuning chose ATen's linear: only the runner
+    rebuilds it); ValueError if the blob does not hold what the table says. The blob
+    (`package_constants_on_disk_format="binary_blob"`) holds them one after another, in the order of the wrapper's
+    `constants_info_` (what the runtime's `load_constants` reads, model_base.h); read from there because the
+    runner's own `extract_constants_map` keys them by original fqn, which two packed weights of one matmul share
+    (torch 2.13), so one of them would be lost."""
     info: dict[int, dict[str, str]] = {}
     for i, field, value in _CONSTANT.findall(wrapper_cpp):
         info.setdefault(int(i), {})[field] = value
@@ -212,7 +214,7 @@ def package_constants(wrapper_cpp: str, blob: bytes) -> dict[str, tuple[bytes, t
         if c["from_folded"] == "true":
             continue
         if not c["layout"].endswith("cached_torch_layout_strided)"):
-            raise ValueError(f"constant {c['name']}: layout {c['layout']} cannot be shared")
+            return None
         size = int(c["data_size"])
         dtype = getattr(torch, c["dtype"].removeprefix("cached_torch_dtype_"))
         out[c["name"].strip('"')] = (blob[at:at + size], dtype, _ints(c["shape"]), _ints(c["stride"]),
@@ -236,10 +238,9 @@ def unpack(pt2: Path, so: Path, store: Path) -> dict[str, list] | None:
         blobs = [n for n in names if n.endswith(".blob")]
         blob = z.read(blobs[0]) if blobs else b""
         so.write_bytes(z.read(next(n for n in names if n.endswith(".so"))))
-    try:
-        constants = package_constants(wrapper, blob)
-    except ValueError:  # an opaque constant (oneDNN's packed weight, where autotuning chose ATen's linear): this
-        so.with_name(so.name + ".blob").write_bytes(blob)  # package keeps its own copy
+    constants = package_constants(wrapper, blob)
+    if constants is None:  # an opaque constant: this package keeps its own blob
+        so.with_name(so.name + ".blob").write_bytes(blob)
         pt2.unlink()
         return None
     manifest = {}

@@ -60,9 +60,12 @@ class KVCache:
         # starts without writing gigabytes of zeros; a cache left untouched decodes slower (reads of unwritten
         # pages go through the kernel's zero page; docs/performance.md). Default: written at allocation.
         lazy = not resident and torch.device(device).type == "cpu" and zero_pages.supported()
-        self.k, self.v = ([zero_pages.untouched_zeros(shape, dtype) if lazy else
-                           torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-                          for _ in range(2))
+
+        def zeros() -> torch.Tensor:
+            return zero_pages.untouched_zeros(shape, dtype) if lazy else torch.zeros(shape, dtype=dtype, device=device)
+
+        self.k = [zeros() for _ in range(config.n_layer)]
+        self.v = [zeros() for _ in range(config.n_layer)]
         self.resident = not lazy
         # Tokens held per slot. Plain ints: the scheduler reads them every step and
         # they must not force a device sync. A device copy feeds positions and masks

@@ -273,10 +273,12 @@ class _Shifted(torch.nn.Module):
         return self.net(x) + self.shift
 
 
-def test_packages_keep_one_copy_of_their_constants(tmp_path):
+def test_packages_keep_one_copy_of_their_constants(tmp_path, monkeypatch):
     """Real AOTInductor (the server's options) on a small module, two packages: their frozen constants go to one
     store, each distinct tensor once, the libraries hold none, and each step computes the module's output from the
-    shared copies (the same memory)."""
+    shared copies (the same memory). Inductor's own GEMMs only: where autotuning picks ATen's oneDNN linear (a CPU
+    where it is faster) a package holds an opaque constant and keeps its own blob (the slow test's tiny model)."""
+    monkeypatch.setitem(cd.CPU_OPTIONS, "max_autotune_gemm_backends", "CPP")
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64)).eval()
     x = torch.randn(1, 64)
@@ -294,3 +296,37 @@ def test_packages_keep_one_copy_of_their_constants(tmp_path):
             assert torch.allclose(steps[name](x), net(x) + i, atol=1e-5)
     a, b = (steps[n].constants for n in names)
     assert {c: t.data_ptr() for c, t in a.items()} == {c: t.data_ptr() for c, t in b.items()}
+
+
+def _table(*constants) -> str:
+    """A wrapper's constants table as AOTInductor writes it: (name, dtype, shape, stride, bytes, layout, folded)."""
+    lines = []
+    for i, (name, dtype, shape, stride, size, layout, folded) in enumerate(constants):
+        lines += [f'    constants_info_[{i}].name = "{name}";',
+                  f"    constants_info_[{i}].dtype = cached_torch_dtype_{dtype};",
+                  f"    constants_info_[{i}].offset = 0;", f"    constants_info_[{i}].data_size = {size};",
+                  f"    constants_info_[{i}].from_folded = {folded};",
+                  f"    constants_info_[{i}].shape = {{{', '.join(map(str, shape))}}};",
+                  f"    constants_info_[{i}].stride = {{{', '.join(map(str, stride))}}};",
+                  f"    constants_info_[{i}].layout = static_cast<int32_t>(cached_torch_layout_{layout});"]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_package_blob_is_read_by_its_constants_table():
+    """Two constants that share an original fqn keep their own bytes (read by name, in table order); a folded one
+    takes none; an opaque one means the package keeps its blob (None); a blob that does not hold what the table
+    says is an error, not a silently wrong weight."""
+    a, b = torch.arange(6, dtype=torch.float32), torch.arange(4, dtype=torch.int64)
+    blob = a.numpy().tobytes() + b.numpy().tobytes()
+    table = _table(("constant58", "float32", [2, 3], [3, 1], 24, "strided", "false"),
+                   ("folded", "float32", [1], [1], 4, "strided", "true"),
+                   ("constant58_0", "int64", [4], [1], 32, "strided", "false"))
+    got = cd.package_constants(table, blob)
+    assert list(got) == ["constant58", "constant58_0"]
+    data, dtype, shape, stride, offset = got["constant58_0"]
+    assert (dtype, shape, stride, offset) == (torch.int64, [4], [1], 0)
+    assert torch.equal(torch.frombuffer(bytearray(data), dtype=dtype), b)
+    assert torch.equal(torch.frombuffer(bytearray(got["constant58"][0]), dtype=torch.float32).view(2, 3), a.view(2, 3))
+    assert cd.package_constants(_table(("w", "float32", [4], [1], 16, "_mkldnn", "false")), bytes(16)) is None
+    with pytest.raises(ValueError, match="the constants take 56 bytes of a 60-byte blob"):
+        cd.package_constants(table, blob + bytes(4))

@@ -68,6 +68,9 @@ SERVERS: dict[str, dict[str, Any]] = {
     "ours-kv-bf16": {"kind": "ours", "weights": "fp32", "extra_args": ["--kv-cache-dtype", "bf16"]},
     "ours-int8": {"kind": "ours", "weights": "fp32", "quantize": "int8"},
     "ours-int4": {"kind": "ours", "weights": "fp32", "quantize": "int4"},
+    # the same formats without the compiled decode step (auto compiles them up to GPT-2 124M's size)
+    "ours-int8-eager": {"kind": "ours", "weights": "fp32", "quantize": "int8", "extra_args": ["--compile", "off"]},
+    "ours-int4-eager": {"kind": "ours", "weights": "fp32", "quantize": "int4", "extra_args": ["--compile", "off"]},
 }
 DEFAULT_SERVERS = "ours,vllm,llama-f32,llama-f16,llama-q8_0"
 FP32_SERVERS = ("ours", "ours-eager", "vllm", "llama-f32", "vllm-default-threads", "vllm-no-preload",

@@ -30,6 +30,8 @@ evaluation and AOT autograd's runtime wrappers, ~40% of the bundled model's comp
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import hashlib
 import json
 import logging
@@ -42,6 +44,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
@@ -49,10 +52,11 @@ from torch import nn
 from engine.cuda_graphs import BUCKETS, CONTEXT_BUCKETS, context_buckets, step_key
 from engine.plain_draw import KINDS, Kind, plain_draw
 from engine.sampler import Sampler
+from model import cpu_support
 from model.cpu_support import cpu_flags
 from model.gpt import GPT
 from model.kv_cache import KVCache
-from model.linear import PackedLinear
+from model.linear import Int4Linear, Int8Embedding, Int8Linear, PackedLinear
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,10 @@ MODES = ("off", "on", "auto")
 # overhead, which the compiled step removes (the bundled model's 3.2M: batch 1 2.3x faster in-process); GPT-2
 # 124M's 85M are bandwidth-bound (no gain measured, +2.5 GB resident): docs/performance.md
 AUTO_MAX_BLOCK_PARAMS = 16_000_000
+# ... and int8 / int4 weights up to GPT-2 124M's size: there the compiled step is 1.8-1.9x faster than eager (the
+# per-op overhead around small quantized matmuls), for a first compile of ~9 minutes in the background (~4.4 GB
+# resident meanwhile, its KV cache included); larger models compile on request (docs/performance.md)
+AUTO_MAX_QUANTIZED_BLOCK_PARAMS = 100_000_000
 # inductor's options for the CPU step (torch/_inductor/config.py): weights as constants (freezing: packed once),
 # max_autotune choosing between aten's GEMM and inductor's C++ micro-kernel per shape
 CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
@@ -106,16 +114,34 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "gpt-serve" / "compiled"
 
 
+def code_digest(source: str) -> bytes:
+    """What a package depends on in a traced file: its syntax tree without comments, docstrings or line numbers, so
+    an edit to the prose compiles nothing anew (GPT-2's first compile takes ~10 minutes a format)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree).encode()
+
+
 def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype, quantize: str) -> str:
-    """on / off for this model: only a CPU's unquantized decode step is compiled (fbgemm's packed int8 is opaque to
-    the compiler; CUDA has its graphs); auto also needs fp32 and a small model (AUTO_MAX_BLOCK_PARAMS)."""
+    """on / off for this model: only a CPU's decode step is compiled (CUDA has its graphs): fp32 / bf16, int4, and
+    int8 where fbgemm serves it eagerly (the rounding its compiled twin reproduces: model.linear.Int8Traced); auto
+    also needs fp32 and a small model (AUTO_MAX_BLOCK_PARAMS, or AUTO_MAX_QUANTIZED_BLOCK_PARAMS quantized; counted
+    as loaded)."""
     if mode not in MODES:
         raise ValueError(f"compile must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "off" or device.type != "cpu" or quantize != "none":
+    if mode == "off" or device.type != "cpu":
+        return "off"
+    if quantize == "int8" and not cpu_support.support().fbgemm:
         return "off"
     if mode == "auto":
-        block_params = sum(p.numel() for p in model.transformer.h.parameters())
-        return "on" if dtype == torch.float32 and block_params <= AUTO_MAX_BLOCK_PARAMS else "off"
+        block_params = sum(p.numel() for p in GPT.skeleton(model.config).transformer.h.parameters())
+        limit = AUTO_MAX_BLOCK_PARAMS if quantize == "none" else AUTO_MAX_QUANTIZED_BLOCK_PARAMS
+        return "on" if dtype == torch.float32 and block_params <= limit else "off"
     return "on"
 
 
@@ -157,11 +183,19 @@ class Step(nn.Module):
 
 def plain_twin(model: GPT) -> GPT:
     """The served model as plain modules for the export: nn.Linear where the engine put oneDNN's packed layers, with
-    the plain weights those kept (shared, not copied); every other tensor shared too."""
+    the plain weights those kept (shared, not copied); quantized layers as model.linear's `traceable` twins (int8:
+    the quantization ops inductor fuses into its int8 GEMM, the weights read back from fbgemm's copies; int4: its
+    tensors as buffers); every other tensor shared too."""
     state: dict[str, torch.Tensor] = {}
+    swaps: dict[str, nn.Module] = {}
     for name, m in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(m, PackedLinear):
+        if isinstance(m, Int8Embedding):
+            swaps[name], swaps["lm_head"] = m.traceable()  # the tied head over the same table
+        elif isinstance(m, (Int8Linear, Int4Linear)):
+            if m is not model.lm_head:
+                swaps[name] = m.traceable()
+        elif isinstance(m, PackedLinear):
             if m.weight is None:
                 raise RuntimeError(f"{name} kept no plain weight to compile from (convert(keep_plain=True))")
             state[prefix + "weight"] = m.weight
@@ -172,6 +206,9 @@ def plain_twin(model: GPT) -> GPT:
                 if t is not None:
                     state[prefix + key] = t
     twin = GPT.skeleton(model.config)
+    for name, new in swaps.items():
+        parent, _, child = name.rpartition(".")
+        setattr(twin.get_submodule(parent), child, new)
     twin.load_state_dict(state, strict=False, assign=True)
     missing = [n for n, t in list(twin.named_parameters()) + list(twin.named_buffers()) if t.is_meta]
     if missing:
@@ -183,10 +220,23 @@ def build_package(step: Step, example: tuple, path: Path, store: Path) -> dict[s
     """Export `step` at the example inputs' shapes, compile it with AOTInductor into the library `path` and its
     constants into the shared `store` (`unpack`); returns its manifest."""
     pt2 = path.with_name(path.name + ".pt2")
-    with torch.no_grad():
+    with torch.no_grad(), _eager_int4_kernel():
         ep = torch.export.export(step, example, strict=True)  # dynamo's tracing: model/linear.py's F.linear branch
         torch._inductor.aoti_compile_and_package(ep, package_path=str(pt2), inductor_configs=dict(CPU_OPTIONS))
     return unpack(pt2, path, store)
+
+
+@contextlib.contextmanager
+def _eager_int4_kernel():
+    """int4 matmuls inside a compiled step through aten's kernel, the eager rows' own, not inductor's WoQ int4
+    template (chosen by max_autotune, which offers no switch for it): the template rounds its bf16 arithmetic
+    otherwise, GPT-2 124M's logits 0.035 off the eager step's, so a seeded request would draw unlike itself in a
+    batch (eager rows); the step's gain is the per-op overhead, not the kernel (docs/performance.md)."""
+    import torch._inductor.lowering  # noqa: F401 - first: it imports the module below and registers its lowerings
+    from torch._inductor import quantized_lowerings
+
+    with mock.patch.object(quantized_lowerings, "use_cpp_gemm_template", lambda *args, **kwargs: False):
+        yield
 
 
 _CONSTANT = re.compile(r"constants_info_\[(\d+)\]\.(name|dtype|offset|data_size|from_folded|shape|stride|layout)"
@@ -362,7 +412,7 @@ class CompiledDecode:
             h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         c = self.cache
         root = Path(__file__).resolve().parent.parent
-        code = b"".join((root / f).read_bytes() for f in TRACED)
+        code = b"".join(code_digest((root / f).read_text()) for f in TRACED)
         h.update(repr((self.buckets, self.contexts, self.kinds, c.n_slots, c.max_len, c.k[0].shape, c.k[0].dtype,
                        self.sampler.vocab_size if self.sampler else None, self.sampler.block if self.sampler else None,
                        sorted(cpu_flags()), self._threads, torch.__version__, sys.version_info[:2],

@@ -92,7 +92,7 @@ class ModelRunner:
         self.weights = {"format": "none", "swapped": 0}
         self.kernels: dict = {}
         self.prepack, self.quantize, self.int4_group = prepack, quantize, int4_group  # the draft's too
-        # a compiled CPU decode step (engine.compiled_decode); quantized weights (fbgemm's packed int8) stay eager
+        # a compiled CPU decode step (engine.compiled_decode; quantized layers through their twins: model.linear)
         self.compile = resolve_compile(compile, model, self.device, self.dtype, quantize)
         self.compile_attention = compiled_attention.wanted(self.cache, compile)  # a CPU cache's decode attention
         self._attention: compiled_attention.AttentionBuild | None = None  # ... while its compile runs

@@ -13,6 +13,9 @@ the layout its kernel reads (gpt-fast's quantize.py: `WeightOnlyInt8Linear` swap
                   llama.cpp's q8_0 dot product quantizes its activations); elsewhere the weight-only kernel.
 - `Int4Linear`    int4 in groups along the input (asymmetric: scale and zero point per group of 32-256), through
                   PyTorch's `_weight_int4pack_mm_for_cpu` (bf16 activations) or `_weight_int4pack_mm` on CUDA.
+- `traceable()`   each quantized module's twin for a compiled decode step (engine/compiled_decode.py): `Int8Traced`
+                  (fbgemm's arithmetic as the quantization ops inductor fuses into its int8 GEMM), `Int4Traced`,
+                  `Int8Table` (the tied table's lookup).
 
 Measured with `bench/kernels.py` (the table is in docs/performance.md): on an AVX-512 CPU oneDNN's packed copy
 beats MKL at every row count (a column-major copy for MKL's GEMV, which an Intel Xeon ran faster at one row, is
@@ -257,6 +260,22 @@ class Int8Linear(_Served):
             return self.weight.numel() * self.weight.element_size()
         return self.out_features * (self.in_features + 4)
 
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q int8 (out, in), scale fp32 (out,)) as quantized: read back from fbgemm's packed copy where that is the
+        only one (a new tensor), else the kept ones."""
+        if self.fbgemm is not None:
+            qw, _ = torch.ops.quantized.linear_unpack(self.fbgemm)
+            return qw.int_repr()[:, : self.in_features].contiguous(), qw.q_per_channel_scales().float()
+        if self.q is None:
+            raise FormatError("this int8 layer keeps only its dequantized weight")
+        return self.q, self.scale
+
+    def traceable(self) -> Int8Traced:
+        """This layer as the ops a compiler reads (engine/compiled_decode.py), rounding as fbgemm's path does."""
+        if self.fbgemm is None:
+            raise FormatError("only fbgemm's int8 path (an x86 CPU) has a traceable twin")
+        return Int8Traced(*self.int8_weight(), self.bias)
+
     def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, shape[-1])
@@ -276,6 +295,46 @@ class Int8Linear(_Served):
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
+        return _act(y.reshape(*shape[:-1], self.out_features).to(dtype), act)
+
+
+# fbgemm's quantization of Int8Linear's rows, which span exactly [-1, 1]: with reduce_range its scale is 2 / 127 and
+# its zero point 64, into the whole uint8 range (x = 1 → 128); Int8Traced with these equals fbgemm's output within
+# float rounding (tests/test_linear.py)
+ACT_SCALE, ACT_ZERO = 2 / 127, 64
+
+
+class Int8Traced(_Served):
+    """Int8Linear's arithmetic as the ops inductor's freezing passes fuse into its u8 x s8 GEMM (PT2E's pattern:
+    activations dequantized per tensor, the weight per channel, then linear): each row divided by its max |x|,
+    quantized with fbgemm's parameters for [-1, 1], and the output multiplied back. What engine/compiled_decode.py
+    traces in place of fbgemm's packed weight, which is opaque to the compiler; eager serving never runs it. On
+    this AVX-512 host inductor's VNNI micro-kernel ran GPT-2's 48 int8 matmuls in about half fbgemm's time
+    (docs/performance.md, "int8 inside the compiled step")."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        import torch.ao.quantization.fx._decomposed  # noqa: F401 - registers the quantized_decomposed ops (~0.1 s)
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale.float())
+        self.register_buffer("zero", torch.zeros(q.shape[0], dtype=torch.long), persistent=False)
+        self.register_buffer("bias", bias)
+
+    def matrix_bytes(self) -> int:
+        return self.out_features * (self.in_features + 4)
+
+    def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x = x.reshape(-1, shape[-1]).float()
+        qd = torch.ops.quantized_decomposed
+        m = x.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+        xq = qd.quantize_per_tensor.default(x / m, ACT_SCALE, ACT_ZERO, 0, 255, torch.uint8)
+        x = qd.dequantize_per_tensor.default(xq, ACT_SCALE, ACT_ZERO, 0, 255, torch.uint8)
+        w = qd.dequantize_per_channel.default(self.q, self.scale, self.zero, 0, -128, 127, torch.int8)
+        y = F.linear(x, w) * m
+        if self.bias is not None:
+            y = y + self.bias
         return _act(y.reshape(*shape[:-1], self.out_features).to(dtype), act)
 
 
@@ -300,6 +359,10 @@ class Int4Linear(_Served):
     def matrix_bytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
 
+    def traceable(self) -> Int4Traced:
+        """This layer with its tensors as buffers, the form a compiler reads (engine/compiled_decode.py)."""
+        return Int4Traced(self)
+
     def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
@@ -309,6 +372,18 @@ class Int4Linear(_Served):
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group, self.scales_zeros)
         y = y.float() if self.bias is None else y.float() + self.bias
         return _act(y.reshape(*shape[:-1], self.out_features).to(x.dtype), act)
+
+
+class Int4Traced(Int4Linear):
+    """Int4Linear's tensors as buffers: a compiled step's constants (its cache key hashes them); the same kernel."""
+
+    def __init__(self, layer: Int4Linear) -> None:
+        _Served.__init__(self)
+        self.out_features, self.in_features, self.group, self.dtype = (layer.out_features, layer.in_features,
+                                                                       layer.group, layer.dtype)
+        self.register_buffer("packed", layer.packed)
+        self.register_buffer("scales_zeros", layer.scales_zeros)
+        self.register_buffer("bias", layer.bias)
 
 
 class Int8Embedding(nn.Module):
@@ -346,10 +421,32 @@ class Int8Embedding(nn.Module):
         self._set(q, scale, self.dtype)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return (self.q[idx].to(self.dtype) * self.scale[idx, None].to(self.dtype))
+        return _lookup(self.q, self.scale, idx, self.dtype)
 
     def weight_bytes(self) -> int:
         return self.q.numel() + self.scale.numel() * 4 + self.head_bytes
+
+    def traceable(self) -> tuple[Int8Table, Int8Traced]:
+        """The table and the head as the ops a compiler reads (Int8Linear.traceable), sharing the table's tensors."""
+        table = Int8Table(self.q, self.scale, self.dtype)
+        return table, Int8Traced(table.q, table.scale, None)
+
+
+class Int8Table(nn.Module):
+    """Int8Embedding's lookup with its tensors as buffers (a compiled step's constants): no head of its own."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return _lookup(self.q, self.scale, idx, self.dtype)
+
+
+def _lookup(q: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return q[idx].to(dtype) * scale[idx, None].to(dtype)
 
 
 def block_linears(model: nn.Module):

@@ -18,7 +18,7 @@ import model.linear as L
 from engine.core import EngineCore
 from engine.params import SamplingParams
 from engine.request import EngineRequest
-from tests.helpers import run_alone_or_together, tiny_model
+from tests.helpers import force_cpu, run_alone_or_together, tiny_model
 
 # (prompt, temperature, top_p, top_k, seed)
 REQUESTS = [(list(range(5, 17)), 0.0, None, 0, 1), (list(range(9, 30)), 0.8, 0.9, 0, 7),
@@ -163,25 +163,55 @@ def test_a_compiled_step_that_differs_from_eager_is_dropped(monkeypatch, caplog)
     assert any("differs from eager" in r.getMessage() for r in caplog.records)
 
 
-def test_auto_compiles_small_fp32_models_on_a_cpu_only():
+def test_auto_compiles_small_models_on_a_cpu_only():
     small = tiny_model(0, vocab_size=96, block_size=64)
     cpu = torch.device("cpu")
     assert cd.resolve_mode("auto", small, cpu, torch.float32, "none") == "on"
     assert cd.resolve_mode("auto", small, cpu, torch.bfloat16, "none") == "off"
-    assert cd.resolve_mode("auto", small, cpu, torch.float32, "int8") == "off"
+    assert cd.resolve_mode("auto", small, cpu, torch.float32, "int4") == "on"  # quantized too: counted as loaded
     assert cd.resolve_mode("on", small, torch.device("meta"), torch.float32, "none") == "off"  # not a CPU
     with torch.device("meta"):  # GPT-2 124M's shape: 85M block parameters, bandwidth-bound
         from model.config import GPTConfig
         from model.gpt import GPT
 
         gpt2 = GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768))
+        medium = GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024))
     assert cd.resolve_mode("auto", gpt2, cpu, torch.float32, "none") == "off"
-    assert cd.resolve_mode("on", gpt2, cpu, torch.float32, "none") == "on"
+    for fmt in ("none", "int8", "int4"):
+        assert cd.resolve_mode("on", gpt2, cpu, torch.float32, fmt) == "on"
+    for fmt in ("int8", "int4"):  # quantized: overhead-bound up to GPT-2 124M (AUTO_MAX_QUANTIZED_BLOCK_PARAMS)
+        assert cd.resolve_mode("auto", gpt2, cpu, torch.float32, fmt) == "on"
+        assert cd.resolve_mode("auto", medium, cpu, torch.float32, fmt) == "off"
 
 
-def test_quantized_weights_and_bad_modes_are_not_compiled():
-    core = make_core("on", quantize="int8")
-    assert core.compile == "off" and not core.stats()["compiled_decode"]
+def test_int8_compiles_only_where_fbgemm_serves_it(monkeypatch):
+    """Elsewhere eager int8 is the weight-only kernel over bf16 activations, which the twin does not round as."""
+    force_cpu(monkeypatch, fbgemm=False)
+    assert cd.resolve_mode("on", tiny_model(0, vocab_size=96, block_size=64), torch.device("cpu"), torch.float32,
+                           "int8") == "off"
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_steps_compile_from_their_traceable_twins(monkeypatch, quantize):
+    """int8 / int4 weights: the stand-in compiler runs the twin the export traces (model.linear's `traceable`:
+    int8 as the quantization ops inductor fuses, its weights read back from fbgemm's copies), so the install check
+    compares that twin with the served layers, and seeded requests get the eager tokens alone or batched."""
+    if quantize == "int8" and not L.cpu_support.support().fbgemm:
+        pytest.skip("int8 compiles where fbgemm serves it")
+    calls: list = []
+    built = stand_in_compiler(monkeypatch, calls)
+    core = make_core("on", quantize=quantize)
+    assert core.stats()["compiled_decode"]
+    twin = next(iter(built.values())).model
+    kinds = {type(m) for m in twin.modules()}
+    assert (L.Int8Traced in kinds) and (L.Int4Traced in kinds) == (quantize == "int4") and L.Int8Table in kinds
+    alone = run(core, together=False)
+    assert calls
+    eager = run(make_core("off", quantize=quantize), together=False)
+    assert alone == eager and run(core, together=True) == eager
+
+
+def test_bad_modes_are_refused():
     with pytest.raises(ValueError, match="compile must be one of off, on, auto"):
         EngineCore(tiny_model(0, vocab_size=96, block_size=64), n_slots=2, vocab_size=96, compile="maybe")
 
@@ -196,6 +226,17 @@ def test_compiled_tokens_equal_eager_tokens_and_a_restart_loads_them():
     again = make_core("on")
     assert again.stats()["compile_source"] == "cache" and again.compile_seconds < 30
     assert run(again, together=False) == eager
+
+
+@pytest.mark.slow  # real AOTInductor compiles of the int8 / int4 twins, 5 packages each: ~1-2 min
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_compiled_quantized_tokens_equal_eager_tokens(quantize):
+    if quantize == "int8" and not L.cpu_support.support().fbgemm:
+        pytest.skip("int8 compiles where fbgemm serves it")
+    core = make_core("on", quantize=quantize)
+    assert core.stats()["compiled_decode"] and core.stats()["compile_source"] == "compiled"
+    eager = run(make_core("off", quantize=quantize), together=False)
+    assert run(core, together=False) == eager and run(core, together=True) == eager
 
 
 def test_a_restart_loads_the_compiled_steps_from_the_cache_keyed_by_what_they_depend_on(monkeypatch, caplog,
@@ -228,6 +269,13 @@ def test_a_restart_loads_the_compiled_steps_from_the_cache_keyed_by_what_they_de
     core.warmup()
     core.wait_compiled(60)
     assert len(builds) == 20 and len(folders()) == 3
+
+
+def test_the_key_reads_the_traced_code_not_its_comments_or_docstrings():
+    code = 'def f(x):\n    """Doc."""\n    return x + 1  # one\n'
+    assert cd.code_digest(code) == cd.code_digest('\n# a note\ndef f(x):\n    """Other words."""\n\n    return x + 1\n')
+    assert cd.code_digest(code) != cd.code_digest(code.replace("x + 1", "x + 2"))
+    assert cd.code_digest('class A:\n    """Doc."""\n') == cd.code_digest("class A:\n    pass\n")
 
 
 def test_an_unwritable_compile_cache_compiles_for_the_process_with_one_log_line(monkeypatch, caplog, tmp_path):

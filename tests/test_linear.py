@@ -168,6 +168,50 @@ def test_int8_linear_is_close_to_fp32_and_batch_invariant(fbgemm, monkeypatch):
     assert torch.equal(alone, y)  # a row's result does not depend on its batch
 
 
+def test_int8_traced_twin_rounds_as_fbgemm_does():
+    """The compiled step's int8 matmul (quantization ops that inductor fuses into its u8 x s8 GEMM) equals fbgemm's
+    eager result within float rounding: the same int8 weights read back from fbgemm's packed copy, the activations
+    quantized with fbgemm's parameters for rows spanning [-1, 1]. A zero point of 63, or activations clamped to
+    0..127, is off by a quantization step (~2e-3 relative) and fails here."""
+    if not support().fbgemm:
+        pytest.skip("no fbgemm in this torch build or CPU")
+    lin = layer(48, 64)
+    m = L.Int8Linear(*L.quantize_int8(lin.weight), lin.bias, torch.float32)
+    q, scale = m.int8_weight()
+    assert all(torch.equal(a, b) for a, b in zip((q, scale), L.quantize_int8(lin.weight)))
+    twin = m.traceable()
+    x = torch.randn(9, 64)
+    x[1] = -x[1].abs()  # a row whose largest magnitude is negative (quantized to 0) and one of zeros
+    x[2] = 0
+    with torch.inference_mode():
+        for act in (None, torch.nn.GELU(approximate="tanh")):
+            y = m(x, act)
+            assert (twin(x, act) - y).abs().max() <= 1e-5 * y.abs().max()
+
+
+def test_int8_table_twin_looks_up_and_heads_as_the_table_does():
+    if not support().fbgemm:
+        pytest.skip("no fbgemm in this torch build or CPU")
+    emb = L.Int8Embedding(torch.randn(40, 64) * 0.1, torch.float32)
+    table, head = emb.traceable()
+    idx = torch.tensor([[3, 0, 39]])
+    h = torch.randn(2, 64)
+    with torch.inference_mode():
+        assert torch.equal(table(idx), emb(idx))
+        assert (head(h) - emb.head(h)).abs().max() <= 1e-5 * emb.head(h).abs().max()
+    assert table.q is head.q  # one table for both
+
+
+def test_int4_traced_twin_is_the_layer_with_its_tensors_as_buffers():
+    lin = layer(48, 128)
+    m = L.Int4Linear(*L.quantize_int4(lin.weight, 32), lin.bias, torch.float32, 32)
+    twin = m.traceable()
+    assert {n for n, _ in twin.named_buffers()} == {"packed", "scales_zeros", "bias"}  # what a compile key hashes
+    x = torch.randn(3, 128)
+    with torch.inference_mode():
+        assert torch.equal(twin(x), m(x))
+
+
 def test_int4_linear_is_close_to_fp32():
     lin = layer(48, 128)
     m = L.Int4Linear(*L.quantize_int4(lin.weight, 32), lin.bias, torch.float32, 32)

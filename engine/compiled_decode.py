@@ -69,6 +69,9 @@ AUTO_MAX_BLOCK_PARAMS = 16_000_000
 # per-op overhead around small quantized matmuls), for a first compile of ~9 minutes in the background (~4.4 GB
 # resident meanwhile, its KV cache included); larger models compile on request (docs/performance.md)
 AUTO_MAX_QUANTIZED_BLOCK_PARAMS = 100_000_000
+# ... where the CPU has int8 dot products (measured on AVX-512 VNNI): without them inductor has no int8 GEMM of its
+# own and emits oneDNN's, whose packed weights are opaque, so each package would keep its own copy of them (unpack)
+INT8_DOT = {"avx512_vnni", "avx_vnni", "amx_int8"}
 # inductor's options for the CPU step (torch/_inductor/config.py): weights as constants (freezing: packed once),
 # max_autotune choosing between aten's GEMM and inductor's C++ micro-kernel per shape
 CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
@@ -130,8 +133,8 @@ def code_digest(source: str) -> bytes:
 def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype, quantize: str) -> str:
     """on / off for this model: only a CPU's decode step is compiled (CUDA has its graphs): fp32 / bf16, int4, and
     int8 where fbgemm serves it eagerly (the rounding its compiled twin reproduces: model.linear.Int8Traced); auto
-    also needs fp32 and a small model (AUTO_MAX_BLOCK_PARAMS, or AUTO_MAX_QUANTIZED_BLOCK_PARAMS quantized; counted
-    as loaded)."""
+    also needs fp32 and a small model (AUTO_MAX_BLOCK_PARAMS, or AUTO_MAX_QUANTIZED_BLOCK_PARAMS quantized on a CPU
+    with int8 dot products; counted as loaded)."""
     if mode not in MODES:
         raise ValueError(f"compile must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off" or device.type != "cpu":
@@ -141,6 +144,8 @@ def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype
     if mode == "auto":
         block_params = sum(p.numel() for p in GPT.skeleton(model.config).transformer.h.parameters())
         limit = AUTO_MAX_BLOCK_PARAMS if quantize == "none" else AUTO_MAX_QUANTIZED_BLOCK_PARAMS
+        if quantize != "none" and not INT8_DOT & cpu_flags():
+            limit = AUTO_MAX_BLOCK_PARAMS
         return "on" if dtype == torch.float32 and block_params <= limit else "off"
     return "on"
 

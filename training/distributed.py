@@ -66,6 +66,13 @@ class Dist:
         """Skip DDP's gradient all-reduce on micro-batches before the last one of a step."""
         return model.no_sync() if self.enabled and not sync else contextlib.nullcontext()
 
+    def finish(self) -> None:
+        """Wait for every rank at the end of training (rank 0 may still be saving) before the group is torn down: a
+        rank tearing gloo down while its peer was still at work aborted ("terminate called without an active
+        exception") in a CI run. Only after a run that ended well: a failed peer would never arrive."""
+        if self.enabled and dist.is_initialized():
+            dist.barrier()
+
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()

@@ -120,7 +120,9 @@ def train(cfg: TrainConfig, data: DataDir, out: Path, state: dict[str, Any] | No
         if state is not None:
             optimizer.load_state_dict(state["optimizer"])
         seed_or_restore_rngs(state, cfg.seed, d.rank)
-        return Loop(cfg, data, out, model, optimizer, d, device, use_bf16, state, init_meta, quiet).run()
+        model = Loop(cfg, data, out, model, optimizer, d, device, use_bf16, state, init_meta, quiet).run()
+        d.finish()
+        return model
     finally:
         d.close()
 

@@ -65,9 +65,10 @@ MODES = ("off", "on", "auto")
 # overhead, which the compiled step removes (the bundled model's 3.2M: batch 1 2.3x faster in-process); GPT-2
 # 124M's 85M are bandwidth-bound (no gain measured, +2.5 GB resident): docs/performance.md
 AUTO_MAX_BLOCK_PARAMS = 16_000_000
-# ... and int8 / int4 weights up to GPT-2 124M's size: there the compiled step is 1.8-1.9x faster than eager (the
-# per-op overhead around small quantized matmuls), for a first compile of ~9 minutes in the background (~4.4 GB
-# resident meanwhile, its KV cache included); larger models compile on request (docs/performance.md)
+# ... and int8 / int4 weights up to GPT-2 124M's size: there one stream decodes 2.1x / 1.6x faster compiled than
+# eager through HTTP (the per-op overhead around small quantized matmuls, and inductor's VNNI int8 GEMM), for a first
+# compile of ~9 minutes in the background (~4.4 GB resident meanwhile, its 2.4 GB KV cache included); fp32 GPT-2's
+# compile peaks at ~9.5 GB for 1.0-1.13x, so it stays on request, as do larger models (docs/performance.md)
 AUTO_MAX_QUANTIZED_BLOCK_PARAMS = 100_000_000
 # ... where the CPU has int8 dot products (measured on AVX-512 VNNI): without them inductor has no int8 GEMM of its
 # own and emits oneDNN's, whose packed weights are opaque, so each package would keep its own copy of them (unpack)
@@ -236,7 +237,8 @@ def _eager_int4_kernel():
     """int4 matmuls inside a compiled step through aten's kernel, the eager rows' own, not inductor's WoQ int4
     template (chosen by max_autotune, which offers no switch for it): the template rounds its bf16 arithmetic
     otherwise, GPT-2 124M's logits 0.035 off the eager step's, so a seeded request would draw unlike itself in a
-    batch (eager rows); the step's gain is the per-op overhead, not the kernel (docs/performance.md)."""
+    batch (eager rows); the step's gain is the per-op overhead, not the kernel (docs/performance.md). Patched for
+    the compiles of this module only, which hold COMPILE_LOCK: no other compile in the process reads it meanwhile."""
     import torch._inductor.lowering  # noqa: F401 - first: it imports the module below and registers its lowerings
     from torch._inductor import quantized_lowerings
 

@@ -158,8 +158,11 @@ class PackedLinear(_Served):
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output row: (q int8 (out, in), scale fp32 (out,)), w ≈ q · scale."""
     w = w.detach().float()
-    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    # max |w| without a copy of |w|, one temporary rounded and clamped in place: the same bytes, GPT-2's 49 weights
+    # 0.48 → 0.24 s in-process (a served start, the front's imports sharing the CPU, moved within its noise)
+    lo, hi = torch.aminmax(w, dim=1)
+    scale = (torch.maximum(hi, -lo) / 127).clamp_(min=1e-12)
+    q = torch.div(w, scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return q, scale
 
 

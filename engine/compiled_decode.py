@@ -68,7 +68,7 @@ AUTO_MAX_BLOCK_PARAMS = 16_000_000
 # ... and int8 / int4 weights up to GPT-2 124M's size: there one stream decodes 2.1x / 1.6x faster compiled than
 # eager through HTTP (the per-op overhead around small quantized matmuls, and inductor's VNNI int8 GEMM), for a first
 # compile of ~9 minutes in the background (~4.4 GB resident meanwhile, its 2.4 GB KV cache included); fp32 GPT-2's
-# compile peaks at ~9.5 GB for 1.0-1.13x, so it stays on request, as do larger models (docs/performance.md)
+# compile peaks at ~9.5 GB for 0.97-1.13x, so it stays on request, as do larger models (docs/performance.md)
 AUTO_MAX_QUANTIZED_BLOCK_PARAMS = 100_000_000
 # ... where the CPU has int8 dot products (measured on AVX-512 VNNI): without them inductor has no int8 GEMM of its
 # own and emits oneDNN's, whose packed weights are opaque, so each package would keep its own copy of them (unpack)

@@ -71,6 +71,9 @@ SERVERS: dict[str, dict[str, Any]] = {
     # the same formats without the compiled decode step (auto compiles them up to GPT-2 124M's size)
     "ours-int8-eager": {"kind": "ours", "weights": "fp32", "quantize": "int8", "extra_args": ["--compile", "off"]},
     "ours-int4-eager": {"kind": "ours", "weights": "fp32", "quantize": "int4", "extra_args": ["--compile", "off"]},
+    # int8 weights and a bf16 KV cache: the smallest server (its compiled step reads the 16-bit cache)
+    "ours-int8-kv-bf16": {"kind": "ours", "weights": "fp32", "quantize": "int8",
+                          "extra_args": ["--kv-cache-dtype", "bf16"]},
 }
 DEFAULT_SERVERS = "ours,vllm,llama-f32,llama-f16,llama-q8_0"
 FP32_SERVERS = ("ours", "ours-eager", "vllm", "llama-f32", "vllm-default-threads", "vllm-no-preload",

@@ -71,8 +71,8 @@ SERVERS: dict[str, dict[str, Any]] = {
     # the same formats without the compiled decode step (auto compiles them up to GPT-2 124M's size)
     "ours-int8-eager": {"kind": "ours", "weights": "fp32", "quantize": "int8", "extra_args": ["--compile", "off"]},
     "ours-int4-eager": {"kind": "ours", "weights": "fp32", "quantize": "int4", "extra_args": ["--compile", "off"]},
-    # int8 weights and a bf16 KV cache: the smallest server (decoding eagerly today: its compiled step rounds the
-    # 16-bit cache's attention unlike the eager loops and fails the install check)
+    # int8 weights and a bf16 KV cache: the smallest server (decoding eagerly today: its compiled step failed the
+    # install check over the 16-bit cache, not yet diagnosed)
     "ours-int8-kv-bf16": {"kind": "ours", "weights": "fp32", "quantize": "int8",
                           "extra_args": ["--kv-cache-dtype", "bf16"]},
 }

@@ -411,10 +411,11 @@ class CompiledDecode:
         return {(b, ctx, kind): f"b{b}-c{ctx}-{kind or 'logits'}.so"
                 for b in self.buckets for ctx in self.contexts for kind in self.kinds}
 
-    def key(self) -> str:
-        """What a package depends on: the weights' bytes, the shapes, this CPU, the threads, torch and the code."""
+    def key(self, twin: GPT) -> str:
+        """What a package depends on: the weights' bytes (the traced twin's), the shapes, this CPU, the threads,
+        torch and the code."""
         h = hashlib.sha256()
-        for name, t in sorted(plain_twin(self.model).state_dict().items()):
+        for name, t in sorted(twin.state_dict().items()):
             h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
             h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         c = self.cache
@@ -429,7 +430,8 @@ class CompiledDecode:
     def compile_all(self) -> None:
         """Load the packages of this key from the cache folder, or export and compile each bucket (against scratch
         tensors: the live cache is never written from here) and save them there."""
-        folder = self.folder = self.cache_dir / self.key()
+        twin = plain_twin(self.model)  # once: a quantized model's twin reads its weights back from fbgemm's copies
+        folder = self.folder = self.cache_dir / self.key(twin)
         names = self.names()
         if folder.is_dir() and not all((folder / n).is_file() for n in [*names.values(), MANIFEST]):
             shutil.rmtree(folder, ignore_errors=True)  # not made by this code (a crash cannot leave one half made)
@@ -451,7 +453,6 @@ class CompiledDecode:
                         self.cache_dir, one_line(e))
             self.cache_dir = Path(tempfile.mkdtemp(prefix="gpt-serve-compiled-"))
             folder = self.folder = self.cache_dir / folder.name
-        twin = plain_twin(self.model)
         with tempfile.TemporaryDirectory(dir=self.cache_dir) as tmp:
             (Path(tmp) / WEIGHTS).mkdir()
             manifest = {}

@@ -284,7 +284,7 @@ class Int8Linear(_Served):
         x = x.reshape(-1, shape[-1])
         if self.fbgemm is not None:
             x = x.float()
-            m = x.abs().amax(-1, keepdim=True).clamp_(min=1e-30)
+            m = _row_max(x)
             xn = torch.cat([x / m, self._pm.expand(x.shape[0], 2)], -1)
             y = torch.ops.quantized.linear_dynamic(xn, self.fbgemm, True).mul_(m)
             if self.bias is not None:
@@ -299,6 +299,11 @@ class Int8Linear(_Served):
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
         return _act(y.reshape(*shape[:-1], self.out_features).to(dtype), act)
+
+
+def _row_max(x: torch.Tensor) -> torch.Tensor:
+    """Each row's max |x| (rows, 1), what Int8Linear divides a row by before fbgemm quantizes it; never 0."""
+    return x.abs().amax(-1, keepdim=True).clamp_(min=1e-30)
 
 
 # fbgemm's quantization of Int8Linear's rows, which span exactly [-1, 1]: with reduce_range its scale is 2 / 127 and
@@ -332,7 +337,7 @@ class Int8Traced(_Served):
         shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, shape[-1]).float()
         qd = torch.ops.quantized_decomposed
-        m = x.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+        m = _row_max(x)
         xq = qd.quantize_per_tensor.default(x / m, ACT_SCALE, ACT_ZERO, 0, 255, torch.uint8)
         x = qd.dequantize_per_tensor.default(xq, ACT_SCALE, ACT_ZERO, 0, 255, torch.uint8)
         w = qd.dequantize_per_channel.default(self.q, self.scale, self.zero, 0, -128, 127, torch.int8)

@@ -68,7 +68,9 @@ SERVERS: dict[str, dict[str, Any]] = {
     "ours-kv-bf16": {"kind": "ours", "weights": "fp32", "extra_args": ["--kv-cache-dtype", "bf16"]},
     "ours-int8": {"kind": "ours", "weights": "fp32", "quantize": "int8"},
     "ours-int4": {"kind": "ours", "weights": "fp32", "quantize": "int4"},
-    # the same formats without the compiled decode step (auto compiles them up to GPT-2 124M's size)
+    # the same formats with the decode step eager / compiled (auto compiles small models only)
+    "ours-int8-compiled": {"kind": "ours", "weights": "fp32", "quantize": "int8", "extra_args": ["--compile", "on"]},
+    "ours-int4-compiled": {"kind": "ours", "weights": "fp32", "quantize": "int4", "extra_args": ["--compile", "on"]},
     "ours-int8-eager": {"kind": "ours", "weights": "fp32", "quantize": "int8", "extra_args": ["--compile", "off"]},
     "ours-int4-eager": {"kind": "ours", "weights": "fp32", "quantize": "int4", "extra_args": ["--compile", "off"]},
     # int8 weights and a bf16 KV cache: the smallest server (decoding eagerly today: its compiled step failed the

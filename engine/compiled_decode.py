@@ -65,14 +65,10 @@ MODES = ("off", "on", "auto")
 # overhead, which the compiled step removes (the bundled model's 3.2M: batch 1 2.3x faster in-process); GPT-2
 # 124M's 85M are bandwidth-bound (no gain measured, +2.5 GB resident): docs/performance.md
 AUTO_MAX_BLOCK_PARAMS = 16_000_000
-# ... and int8 / int4 weights up to GPT-2 124M's size: there one stream decodes 2.1x / 1.6x faster compiled than
-# eager through HTTP (the per-op overhead around small quantized matmuls, and inductor's VNNI int8 GEMM), for a first
-# compile of ~9 minutes in the background (~4.4 GB resident meanwhile, its 2.4 GB KV cache included); fp32 GPT-2's
-# compile peaks at ~9.5 GB for 0.97-1.13x, so it stays on request, as do larger models (docs/performance.md)
-AUTO_MAX_QUANTIZED_BLOCK_PARAMS = 100_000_000
-# ... where the CPU has int8 dot products (measured on AVX-512 VNNI): without them inductor has no int8 GEMM of its
-# own and emits oneDNN's, whose packed weights are opaque, so each package would keep its own copy of them (unpack)
-INT8_DOT = {"avx512_vnni", "avx_vnni", "amx_int8"}
+# (quantized models too: int8 / int4 GPT-2 124M decodes one stream 2.1x / 1.6x faster compiled, but on request
+# only: its compiled int8 rows quantize some activations otherwise than fbgemm's (likely x / scale against
+# x * (1 / scale) at a rounding boundary; not yet confirmed), and a greedy GPT-2 stream left the eager tokens after 24 of 128:
+# docs/performance.md)
 # inductor's options for the CPU step (torch/_inductor/config.py): weights as constants (freezing: packed once),
 # max_autotune choosing between aten's GEMM and inductor's C++ micro-kernel per shape
 CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
@@ -134,8 +130,7 @@ def code_digest(source: str) -> bytes:
 def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype, quantize: str) -> str:
     """on / off for this model: only a CPU's decode step is compiled (CUDA has its graphs): fp32 / bf16, int4, and
     int8 where fbgemm serves it eagerly (the rounding its compiled twin reproduces: model.linear.Int8Traced); auto
-    also needs fp32 and a small model (AUTO_MAX_BLOCK_PARAMS, or AUTO_MAX_QUANTIZED_BLOCK_PARAMS quantized on a CPU
-    with int8 dot products; counted as loaded)."""
+    also needs fp32 and a small model (AUTO_MAX_BLOCK_PARAMS, counted as loaded, whatever the format)."""
     if mode not in MODES:
         raise ValueError(f"compile must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off" or device.type != "cpu":
@@ -144,10 +139,7 @@ def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype
         return "off"
     if mode == "auto":
         block_params = sum(p.numel() for p in GPT.skeleton(model.config).transformer.h.parameters())
-        limit = AUTO_MAX_BLOCK_PARAMS if quantize == "none" else AUTO_MAX_QUANTIZED_BLOCK_PARAMS
-        if quantize != "none" and not INT8_DOT & cpu_flags():
-            limit = AUTO_MAX_BLOCK_PARAMS
-        return "on" if dtype == torch.float32 and block_params <= limit else "off"
+        return "on" if dtype == torch.float32 and block_params <= AUTO_MAX_BLOCK_PARAMS else "off"
     return "on"
 
 

@@ -175,31 +175,9 @@ def test_auto_compiles_small_models_on_a_cpu_only():
         from model.gpt import GPT
 
         gpt2 = GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768))
-    assert cd.resolve_mode("auto", gpt2, cpu, torch.float32, "none") == "off"
-    for fmt in ("none", "int8", "int4"):
-        assert cd.resolve_mode("on", gpt2, cpu, torch.float32, fmt) == "on"
-
-def test_auto_compiles_quantized_models_up_to_gpt2_small_where_the_cpu_has_int8_dot_products(monkeypatch):
-    """Quantized steps are overhead-bound up to GPT-2 124M (AUTO_MAX_QUANTIZED_BLOCK_PARAMS); without VNNI / AMX
-    inductor's int8 GEMM gives way to oneDNN's opaque weights, one copy per package, so only small models."""
-    from model.config import GPTConfig
-    from model.gpt import GPT
-
-    cpu = torch.device("cpu")
-    with torch.device("meta"):
-        gpt2 = GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768))
-        medium = GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024))
-    small = tiny_model(0, vocab_size=96, block_size=64)
-    monkeypatch.setattr(cd, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_vnni"})
-    for fmt in ("int8", "int4"):
-        assert cd.resolve_mode("auto", gpt2, cpu, torch.float32, fmt) == "on"
-        assert cd.resolve_mode("auto", medium, cpu, torch.float32, fmt) == "off"
-    monkeypatch.setattr(cd, "cpu_flags", lambda: {"avx2", "fma"})
-    for fmt in ("int8", "int4"):
+    for fmt in ("none", "int8", "int4"):  # quantized GPT-2 too: its compiled int8 rows round unlike fbgemm's at times
         assert cd.resolve_mode("auto", gpt2, cpu, torch.float32, fmt) == "off"
-        assert cd.resolve_mode("auto", small, cpu, torch.float32, fmt) == "on"
         assert cd.resolve_mode("on", gpt2, cpu, torch.float32, fmt) == "on"
-
 
 def test_int8_compiles_only_where_fbgemm_serves_it(monkeypatch):
     """Elsewhere eager int8 is the weight-only kernel over bf16 activations, which the twin does not round as."""

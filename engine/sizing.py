@@ -56,18 +56,45 @@ def parse_memory(value: str | float | int | None) -> tuple[str, float] | None:
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes free for the cache now: the GPU's free memory, or the kernel's MemAvailable on a CPU."""
+    """Bytes free for the cache now: the GPU's free memory, or on a CPU the kernel's MemAvailable, or less where this
+    process's cgroup (a container's `--memory`, a pod's limit) leaves less: the host's MemAvailable does not see it."""
     import torch
 
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    free = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                free = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if free is None:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    headroom = cgroup_headroom()
+    return free if headroom is None else min(free, headroom)
+
+
+def cgroup_headroom(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes this process's memory cgroup may still use: its limit less what it holds that cannot be dropped
+    (usage less inactive file pages, as `docker stats` counts); None without a limit. cgroup v2 (`memory.max`)
+    or v1 (`memory/memory.limit_in_bytes`), read at the mount root as a container sees its own group."""
+    for limit_f, usage_f, stat_f, inactive in (("memory.max", "memory.current", "memory.stat", "inactive_file"),
+                                               ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+                                                "memory/memory.stat", "total_inactive_file")):
+        try:
+            limit = (root / limit_f).read_text().strip()
+            usage = int((root / usage_f).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 2**60:  # no limit (v1 writes one near 2^63)
+            return None
+        try:
+            stat = dict(line.partition(" ")[::2] for line in (root / stat_f).read_text().splitlines())
+        except OSError:
+            stat = {}
+        return max(0, int(limit) - (usage - int(stat.get(inactive, 0))))
+    return None
 
 
 def kv_bytes_per_slot(n_layer: int, n_embd: int, context: int, dtype: torch.dtype) -> int:

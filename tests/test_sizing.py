@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from engine.build import CoreConfig, StartupError, check_fits
-from engine.sizing import SLOT_ALLOWANCE, SizingError, kv_bytes_per_slot, parse_memory, plan_slots, slot_kv_bytes
+from engine.sizing import (
+    SLOT_ALLOWANCE,
+    SizingError,
+    cgroup_headroom,
+    kv_bytes_per_slot,
+    parse_memory,
+    plan_slots,
+    slot_kv_bytes,
+)
 
 CPU = torch.device("cpu")
 GIB = 2**30
@@ -30,6 +38,22 @@ def test_parse_memory():
     for bad in ("lots", "-1", "0", "3 furlongs"):
         with pytest.raises(SizingError, match="kv_cache_memory"):
             parse_memory(bad)
+
+
+@pytest.mark.parametrize("v2", [True, False])
+def test_a_containers_memory_limit_bounds_what_is_free(tmp_path, v2):
+    """A container's cgroup limit, not the host's MemAvailable: 4 GiB limit, 3 GiB used of which 1 GiB inactive
+    page cache (dropped under pressure) leaves 2 GiB; no limit (v2 "max", v1's near 2^63) or no files: None."""
+    files = (("memory.max", "memory.current", "memory.stat", "inactive_file") if v2 else
+             ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+              "total_inactive_file"))
+    assert cgroup_headroom(tmp_path) is None
+    (tmp_path / "memory").mkdir()
+    for f, text in zip(files, (str(4 * GIB), str(3 * GIB), f"anon 1\n{files[3]} {GIB}\nfile 5\n")):
+        (tmp_path / f).write_text(text + "\n")
+    assert cgroup_headroom(tmp_path) == 2 * GIB
+    (tmp_path / files[0]).write_text("max\n" if v2 else "9223372036854771712\n")
+    assert cgroup_headroom(tmp_path) is None
 
 
 def test_slots_come_from_the_budget_and_are_capped():

@@ -230,10 +230,12 @@ class Int8Linear(_Served):
 
     fbgemm quantizes its input with one scale for the whole tensor, from its min and max: a row's result would
     depend on the other rows of the batch (a seeded request's tokens would change with its neighbours). So each row
-    is divided by its own max |x| and gets two more inputs, +1 and -1, against zero weight columns: every row then
-    spans exactly [-1, 1], the tensor's scale and zero point are the same whatever the batch, and the int32
-    products are exact, so a row's output is bit-identical alone or batched (tested). Its activations are quantized
-    relative to its own range (finer than one scale for all rows); the output is multiplied back by the row's max."""
+    is scaled to a max |x| of ROW_SPAN and gets two more inputs, +ROW_SPAN and -ROW_SPAN, against zero weight
+    columns: every row then spans exactly [-63.5, 63.5], fbgemm's scale is 1 and its zero point 64 whatever the
+    batch, and the int32 products are exact, so a row's output is bit-identical alone or batched (tested). Its
+    activations are quantized relative to its own range (finer than one scale for all rows). fbgemm's weight scales
+    are 1 (its output is the int32 sum as a float); the row scales and the row's max multiply it afterwards, so
+    that the compiled step's twin (Int8Traced) computes the same bits."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
@@ -243,13 +245,14 @@ class Int8Linear(_Served):
         self.fbgemm = None
         self.q = self.scale = self.weight = None
         if q.device.type == "cpu" and cpu_support.support().fbgemm:
-            q2 = torch.cat([q, torch.zeros(q.shape[0], 2, dtype=torch.int8)], 1)  # the ±1 inputs' weights
+            q2 = torch.cat([q, torch.zeros(q.shape[0], 2, dtype=torch.int8)], 1)  # the ±ROW_SPAN inputs' weights
             with warnings.catch_warnings():  # quantized tensors are deprecated, fbgemm's kernels still take them (2.13)
                 warnings.simplefilter("ignore", UserWarning)
-                qw = torch._make_per_channel_quantized_tensor(q2, scale.double(),
+                qw = torch._make_per_channel_quantized_tensor(q2, torch.ones(q.shape[0], dtype=torch.double),
                                                               torch.zeros_like(scale, dtype=torch.long), 0)
-            self.fbgemm = torch.ops.quantized.linear_prepack(qw, None)
-            self._pm = torch.tensor([1.0, -1.0])
+            self.fbgemm = torch.ops.quantized.linear_prepack(qw, None)  # unit scales: its output is the int32 sum
+            self.row_scale = scale.float()
+            self._pm = torch.tensor([ROW_SPAN, -ROW_SPAN])
         elif q.device.type == "cpu" or int8_kernel_off_cpu():
             self.q, self.scale = q, scale.float()
         else:  # the int8 values in the served dtype, made once (see int8_kernel_off_cpu)
@@ -264,11 +267,11 @@ class Int8Linear(_Served):
         return self.out_features * (self.in_features + 4)
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q int8 (out, in), scale fp32 (out,)) as quantized: read back from fbgemm's packed copy where that is the
-        only one (a new tensor), else the kept ones."""
+        """(q int8 (out, in), scale fp32 (out,)) as quantized: q read back from fbgemm's packed copy where that is
+        the only one (a new tensor), else the kept ones."""
         if self.fbgemm is not None:
             qw, _ = torch.ops.quantized.linear_unpack(self.fbgemm)
-            return qw.int_repr()[:, : self.in_features].contiguous(), qw.q_per_channel_scales().float()
+            return qw.int_repr()[:, : self.in_features].contiguous(), self.row_scale
         if self.q is None:
             raise FormatError("this int8 layer keeps only its dequantized weight")
         return self.q, self.scale
@@ -285,8 +288,8 @@ class Int8Linear(_Served):
         if self.fbgemm is not None:
             x = x.float()
             m = _row_max(x)
-            xn = torch.cat([x / m, self._pm.expand(x.shape[0], 2)], -1)
-            y = torch.ops.quantized.linear_dynamic(xn, self.fbgemm, True).mul_(m)
+            xn = torch.cat([x / m * ROW_SPAN, self._pm.expand(x.shape[0], 2)], -1)
+            y = torch.ops.quantized.linear_dynamic(xn, self.fbgemm, True).mul_(self.row_scale).mul_(m / ROW_SPAN)
             if self.bias is not None:
                 y = y.add_(self.bias)
         elif self.weight is not None:
@@ -306,16 +309,20 @@ def _row_max(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax(-1, keepdim=True).clamp_(min=1e-30)
 
 
-# fbgemm's quantization of Int8Linear's rows, which span exactly [-1, 1]: with reduce_range its scale is 2 / 127 and
-# its zero point 64, into the whole uint8 range (x = 1 → 128); Int8Traced with these equals fbgemm's output within
-# float rounding (tests/test_linear.py)
-ACT_SCALE, ACT_ZERO = 2 / 127, 64
+# fbgemm's quantization of Int8Linear's rows, scaled to span exactly [-ROW_SPAN, ROW_SPAN]: with reduce_range its
+# scale is 127 / 127 = 1 and its zero point 64, into the whole uint8 range (x = 63.5 → 128), each value rounded as
+# fl(x + 64) to even. At a scale of 1 no division or reciprocal can round apart; Int8Traced rounds the same sum and
+# equals fbgemm's output bit for bit (tests/test_linear.py, tests/test_compiled_decode.py)
+ROW_SPAN = 63.5
+ACT_SCALE, ACT_ZERO = 1.0, 64
 
 
 class Int8Traced(_Served):
     """Int8Linear's arithmetic as the ops inductor's freezing passes fuse into its u8 x s8 GEMM (PT2E's pattern:
-    activations dequantized per tensor, the weight per channel, then linear): each row divided by its max |x|,
-    quantized with fbgemm's parameters for [-1, 1], and the output multiplied back. What engine/compiled_decode.py
+    activations dequantized per tensor, the weight per channel, then linear): each row scaled to ROW_SPAN, rounded
+    as fbgemm rounds it, the exact int32 sums (unit weight scales: inductor's zero-point correction is then exact
+    in float while |sum| < 2^24, i.e. 128 x a row's sum of |q| - GPT-2's 3072-wide rows stay near 2^23) scaled by
+    the row scales and the row's max in fbgemm's order: the same bits as Int8Linear. What engine/compiled_decode.py
     traces in place of fbgemm's packed weight, which is opaque to the compiler; eager serving never runs it. On
     an AVX-512 VNNI host inductor's int8 micro-kernel ran GPT-2's 48 int8 matmuls, these ops included, in 1.3-1.6
     ms, fbgemm's kernels alone in 2.0 and the eager path in 2.9-3.1 (docs/performance.md, "int8 and int4 inside
@@ -328,6 +335,7 @@ class Int8Traced(_Served):
         self.register_buffer("q", q)
         self.register_buffer("scale", scale.float())
         self.register_buffer("zero", torch.zeros(q.shape[0], dtype=torch.long), persistent=False)
+        self.register_buffer("one", torch.ones(q.shape[0]), persistent=False)
         self.register_buffer("bias", bias)
 
     def matrix_bytes(self) -> int:
@@ -338,10 +346,10 @@ class Int8Traced(_Served):
         x = x.reshape(-1, shape[-1]).float()
         qd = torch.ops.quantized_decomposed
         m = _row_max(x)
-        xq = qd.quantize_per_tensor.default(x / m, ACT_SCALE, ACT_ZERO, 0, 255, torch.uint8)
+        xq = (x / m * ROW_SPAN + ACT_ZERO).round_().clamp_(0, 255).to(torch.uint8)
         x = qd.dequantize_per_tensor.default(xq, ACT_SCALE, ACT_ZERO, 0, 255, torch.uint8)
-        w = qd.dequantize_per_channel.default(self.q, self.scale, self.zero, 0, -128, 127, torch.int8)
-        y = F.linear(x, w) * m
+        w = qd.dequantize_per_channel.default(self.q, self.one, self.zero, 0, -128, 127, torch.int8)
+        y = F.linear(x, w) * self.scale * (m / ROW_SPAN)
         if self.bias is not None:
             y = y + self.bias
         return _act(y.reshape(*shape[:-1], self.out_features).to(dtype), act)

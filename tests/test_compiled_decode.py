@@ -341,6 +341,29 @@ def test_packages_keep_one_copy_of_their_constants(tmp_path, monkeypatch):
     assert {c: t.data_ptr() for c, t in a.items()} == {c: t.data_ptr() for c, t in b.items()}
 
 
+def test_a_compiled_int8_row_is_fbgemm_s_row_bit_for_bit(tmp_path):
+    """Real AOTInductor (the server's options) over an int8 layer's traceable twin, GPT-2's MLP projection width:
+    inductor's fused u8 x s8 GEMM returns what fbgemm's eager kernel returns, bit for bit, for rows with values a
+    hair off a rounding tie (where fl(x + 64) and round(x) + 64 part). Within float rounding was not enough: GPT-2
+    int8 compiled left its eager greedy tokens after 24 of 128 before the twin rounded and scaled as fbgemm does."""
+    if not L.cpu_support.support().fbgemm:
+        pytest.skip("int8 compiles where fbgemm serves it")
+    from tests.test_linear import int8_rows_at_rounding_ties
+
+    torch.manual_seed(0)
+    m = L.Int8Linear(*L.quantize_int8(torch.randn(64, 3072) * 0.02), torch.randn(64) * 0.01, torch.float32)
+    twin = m.traceable().eval()
+    x = int8_rows_at_rounding_ties(3072)
+    store = tmp_path / cd.WEIGHTS
+    store.mkdir()
+    manifest = {"s.so": cd.build_package(twin, (x[:1].clone(),), tmp_path / "s.so", store)}
+    (tmp_path / cd.MANIFEST).write_text(__import__("json").dumps(manifest))
+    step = cd.load_steps(tmp_path, ["s.so"])["s.so"]
+    with torch.no_grad():
+        for row in x:
+            assert torch.equal(step(row[None].clone()), m(row[None]))
+
+
 def _table(*constants) -> str:
     """A wrapper's constants table as AOTInductor writes it: (name, dtype, shape, stride, bytes, layout, folded)."""
     lines = []

@@ -48,7 +48,8 @@ class Settings(BaseSettings):
                                          "full-length slots as the KV-cache budget holds, up to 32 on a CPU, 256 on a "
                                          "GPU)")
     kv_cache_memory_fraction: float = Field(0.5, gt=0, le=0.95, description="share of the memory free after "
-                                            "loading (GPU, or the CPU's MemAvailable) that the default KV-cache "
+                                            "loading (GPU, or the CPU's MemAvailable within its cgroup's limit) "
+                                            "that the default KV-cache "
                                             "budget takes")
     max_queue: int = Field(128, ge=1, le=100_000, description="requests waiting for a slot; more get 429")
     max_prompt_tokens: int | None = Field(None, ge=1, description="default: the context length - 1")

@@ -178,8 +178,9 @@ class KVCache:
 
     def _loops(self, n_tokens: int, contiguous: bool, rows: int) -> Callable[..., torch.Tensor] | None:
         """The compiled attention a step of `n_tokens` per row uses (model.decode_attention), else None: one token a
-        row, rows in consecutive slots (the server's decoding rows are slots 0..n-1); an fp32 cache from two rows
-        (one row: SDPA is faster there, 31 against 41 us a GPT-2 layer)."""
+        row, rows in consecutive slots (the server's decoding rows are slots 0..n-1); an fp32 cache from two rows:
+        for one row SDPA is faster (GPT-2 int8 / fp32 one-row steps 3.8% / 2.1% slower through the loops, which
+        would round that row exactly as when batched; fp32's difference is ~1e-7: docs/performance.md)."""
         if (self.decode_attention is None or n_tokens != 1 or not contiguous or self.device.type != "cpu"
                 or (self.k[0].element_size() == 4 and rows < 2) or torch.compiler.is_dynamo_compiling()):
             return None
@@ -264,8 +265,10 @@ class CacheStep:
         (512 at most, else all of them), so one padded call over the batch's longest row rounds a row differently
         from that row alone, and in bf16 that flipped seeded tokens of a request batched with others. One call per
         row gives a row the result it gets alone, and skips the padding, which made bf16 decode steps faster from
-        16 rows. In fp32 the rounding is ~1e-7 and the per-row calls were slower, so fp32, like CUDA (and the
-        static shapes of CUDA graphs), makes one masked call. (docs/performance.md, "bf16 batch invariance", has
+        16 rows. fp32 on a CPU too: its rounding is ~1e-7, but int8 weights turn such an ulp into a whole
+        quantization step of some activation, and a seeded GPT-2 int8 request batched with three others (their
+        prompts prefilled in one step) left its own tokens after 24 of 128. CUDA (and the static shapes of CUDA
+        graphs) makes one masked call. (docs/performance.md, "bf16 batch invariance", has
         the runs.)"""
         if self.loops is not None:  # k, v: the layer's whole cache tensors (`update`)
             return self.loops(q, k, v, self.slot_range.start, q.size(0), self.kv_len, self.visible)
@@ -277,7 +280,7 @@ class CacheStep:
             scores = (q @ k.transpose(-1, -2)) * (q.size(-1) ** -0.5)
             scores = scores.masked_fill(~self.mask, float("-inf"))
             return torch.softmax(scores.float(), -1).to(v.dtype) @ v
-        if self.row_kv is not None and q.device.type == "cpu" and q.element_size() == 2:
+        if self.row_kv is not None and q.device.type == "cpu":
             T = q.size(2)
             return torch.cat([F.scaled_dot_product_attention(
                 q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n],

@@ -258,12 +258,13 @@ def test_a_narrower_kv_cache_stays_close_to_full_recompute_and_batch_invariant(k
         torch.testing.assert_close(batched[r], solo[r], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_a_row_attends_as_it_does_alone_whatever_its_batch(dtype):
-    # KVCache / CacheStep.attend, a 16-bit cache: rows of different lengths decoding (one token) or verifying
+    # KVCache / CacheStep.attend, a CPU cache: rows of different lengths decoding (one token) or verifying / prefilling
     # (several) together get, bit for bit, the attention they get alone in a one-slot cache. PyTorch's CPU attention
     # blocks the keys by their count, so one masked call over the longest row rounded the shorter rows differently
-    # (bf16: a seeded request's tokens changed with its neighbours). Lengths on both sides of 512, GPT-2's heads.
+    # (bf16: a seeded request's tokens changed with its neighbours; fp32 with int8 weights, whose activation rounding
+    # turns an ulp into a step: GPT-2 int8 left its own tokens after 24 of 128). Lengths on both sides of 512.
     g = torch.Generator().manual_seed(0)
     cfg = GPTConfig(vocab_size=8, block_size=1024, n_layer=1, n_head=12, n_embd=768)
     lens = [700, 90, 511, 260, 33]

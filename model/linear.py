@@ -321,8 +321,9 @@ class Int8Traced(_Served):
     """Int8Linear's arithmetic as the ops inductor's freezing passes fuse into its u8 x s8 GEMM (PT2E's pattern:
     activations dequantized per tensor, the weight per channel, then linear): each row scaled to ROW_SPAN, rounded
     as fbgemm rounds it, the exact int32 sums (unit weight scales: inductor's zero-point correction is then exact
-    in float while |sum| < 2^24, i.e. 128 x a row's sum of |q| - GPT-2's 3072-wide rows stay near 2^23) scaled by
-    the row scales and the row's max in fbgemm's order: the same bits as Int8Linear. What engine/compiled_decode.py
+    in float while |sum| < 2^24, bounded by 128 x a row's sum of |q|: 1.3e7 at most in the random GPT-2's layers;
+    past it the two differ by an ulp, not a step) scaled by the row scales and the row's max in fbgemm's order: the
+    same bits as Int8Linear. What engine/compiled_decode.py
     traces in place of fbgemm's packed weight, which is opaque to the compiler; eager serving never runs it. On
     an AVX-512 VNNI host inductor's int8 micro-kernel ran GPT-2's 48 int8 matmuls, these ops included, in 1.3-1.6
     ms, fbgemm's kernels alone in 2.0 and the eager path in 2.9-3.1 (docs/performance.md, "int8 and int4 inside

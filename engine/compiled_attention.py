@@ -1,5 +1,5 @@
-"""The compiled decode attention of a CPU's KV cache (model.decode_attention: a 16-bit cache at every batch, an fp32
-one from two rows), built in the background.
+"""The compiled decode attention of a CPU's KV cache (model.decode_attention: one token a row, at every batch), built
+in the background.
 
 `torch.compile` of the attention takes seconds (a restart ~1-2 s from inductor's cache on disk), so, like the
 compiled decode steps (engine.compiled_decode), it runs in a thread at idle priority while the engine serves with
@@ -16,8 +16,8 @@ from model.kv_cache import KVCache
 
 
 def wanted(cache: KVCache, mode: str) -> bool:
-    """Whether this cache's decode attention is compiled: a cache on a CPU in 16 bits or fp32 (KVCache.plan uses it
-    for fp32 from two rows), unless compiling is off."""
+    """Whether this cache's decode attention is compiled: a cache on a CPU in 16 bits or fp32, unless compiling is
+    off."""
     return mode != "off" and cache.device.type == "cpu" and cache.k[0].element_size() in (2, 4)
 
 

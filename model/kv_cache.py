@@ -74,7 +74,7 @@ class KVCache:
         self.lengths_t = torch.zeros(n_slots, dtype=torch.long, device=device)
         self._arange = torch.arange(max(max_len, n_slots), device=device)  # positions are views of this
         # on a CPU: its decode steps' attention, compiled (model.decode_attention.build), once the engine has it
-        # (a 16-bit cache uses it at every batch, fp32 from two rows: `_loops`); None: SDPA
+        # (one token a row, at every batch: `_loops`); None: SDPA
         self.decode_attention: Callable[..., torch.Tensor] | None = None
 
     @property
@@ -178,11 +178,13 @@ class KVCache:
 
     def _loops(self, n_tokens: int, contiguous: bool, rows: int) -> Callable[..., torch.Tensor] | None:
         """The compiled attention a step of `n_tokens` per row uses (model.decode_attention), else None: one token a
-        row, rows in consecutive slots (the server's decoding rows are slots 0..n-1); an fp32 cache from two rows:
-        for one row SDPA is faster (GPT-2 int8 / fp32 one-row steps 3.8% / 2.1% slower through the loops, which
-        would round that row exactly as when batched; fp32's difference is ~1e-7: docs/performance.md)."""
+        row, rows in consecutive slots (the server's decoding rows are slots 0..n-1), one row as several. SDPA is
+        faster for one row of an fp32 cache (GPT-2 int8 / fp32 one-row steps 3.8% / 2.1% faster), but it rounds that
+        row unlike the loops that serve it batched, and int8 weights make such an ulp a whole quantization step: a
+        4-layer GPT-2-width int8 model's seeded requests left their own batched tokens after 19-37 of 128
+        (docs/performance.md; tests/test_decode_attention.py)."""
         if (self.decode_attention is None or n_tokens != 1 or not contiguous or self.device.type != "cpu"
-                or (self.k[0].element_size() == 4 and rows < 2) or torch.compiler.is_dynamo_compiling()):
+                or torch.compiler.is_dynamo_compiling()):
             return None
         return self.decode_attention
 

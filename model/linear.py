@@ -233,9 +233,9 @@ class Int8Linear(_Served):
     is scaled to a max |x| of ROW_SPAN and gets two more inputs, +ROW_SPAN and -ROW_SPAN, against zero weight
     columns: every row then spans exactly [-63.5, 63.5], fbgemm's scale is 1 and its zero point 64 whatever the
     batch, and the int32 products are exact, so a row's output is bit-identical alone or batched (tested). Its
-    activations are quantized relative to its own range (finer than one scale for all rows). fbgemm's weight scales
-    are 1 (its output is the int32 sum as a float); the row scales and the row's max multiply it afterwards, so
-    that the compiled step's twin (Int8Traced) computes the same bits."""
+    activations are quantized relative to its own range (finer than one scale for all rows). At an activation scale
+    of 1 fbgemm's output is fl(float(int32 sum) x packed scale), the packed scales being the row scales / ROW_SPAN,
+    which the compiled step's twin (Int8Traced) computes bit for bit; both then multiply by the row's max."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
@@ -248,11 +248,12 @@ class Int8Linear(_Served):
             q2 = torch.cat([q, torch.zeros(q.shape[0], 2, dtype=torch.int8)], 1)  # the ±ROW_SPAN inputs' weights
             with warnings.catch_warnings():  # quantized tensors are deprecated, fbgemm's kernels still take them (2.13)
                 warnings.simplefilter("ignore", UserWarning)
-                qw = torch._make_per_channel_quantized_tensor(q2, torch.ones(q.shape[0], dtype=torch.double),
+                # the row scales over ROW_SPAN (the activations' scale-up undone inside the kernel's own multiply)
+                qw = torch._make_per_channel_quantized_tensor(q2, (scale.float() / ROW_SPAN).double(),
                                                               torch.zeros_like(scale, dtype=torch.long), 0)
-            self.fbgemm = torch.ops.quantized.linear_prepack(qw, None)  # unit scales: its output is the int32 sum
-            self.row_scale = scale.float()
-            self._pm = torch.tensor([ROW_SPAN, -ROW_SPAN])
+            self.fbgemm = torch.ops.quantized.linear_prepack(qw, None)
+            self.row_scale = scale.float()  # as quantized (int8_weight): fbgemm keeps only the quotients
+            self._pm = torch.tensor([1.0, -1.0])
         elif q.device.type == "cpu" or int8_kernel_off_cpu():
             self.q, self.scale = q, scale.float()
         else:  # the int8 values in the served dtype, made once (see int8_kernel_off_cpu)
@@ -267,8 +268,8 @@ class Int8Linear(_Served):
         return self.out_features * (self.in_features + 4)
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q int8 (out, in), scale fp32 (out,)) as quantized: q read back from fbgemm's packed copy where that is
-        the only one (a new tensor), else the kept ones."""
+        """(q int8 (out, in), scale fp32 (out,)) as quantized: read back from fbgemm's packed copy where that is the
+        only one (a new tensor), else the kept ones."""
         if self.fbgemm is not None:
             qw, _ = torch.ops.quantized.linear_unpack(self.fbgemm)
             return qw.int_repr()[:, : self.in_features].contiguous(), self.row_scale
@@ -288,8 +289,9 @@ class Int8Linear(_Served):
         if self.fbgemm is not None:
             x = x.float()
             m = _row_max(x)
-            xn = torch.cat([x / m * ROW_SPAN, self._pm.expand(x.shape[0], 2)], -1)
-            y = torch.ops.quantized.linear_dynamic(xn, self.fbgemm, True).mul_(self.row_scale).mul_(m / ROW_SPAN)
+            # scaled in place by a Python scalar (a new tensor for it cost ~4% of GPT-2's 48 int8 matmuls at one row)
+            xn = torch.cat([x / m, self._pm.expand(x.shape[0], 2)], -1).mul_(ROW_SPAN)
+            y = torch.ops.quantized.linear_dynamic(xn, self.fbgemm, True).mul_(m)
             if self.bias is not None:
                 y = y.add_(self.bias)
         elif self.weight is not None:
@@ -320,14 +322,14 @@ ACT_SCALE, ACT_ZERO = 1.0, 64
 class Int8Traced(_Served):
     """Int8Linear's arithmetic as the ops inductor's freezing passes fuse into its u8 x s8 GEMM (PT2E's pattern:
     activations dequantized per tensor, the weight per channel, then linear): each row scaled to ROW_SPAN, rounded
-    as fbgemm rounds it, the exact int32 sums (unit weight scales: inductor's zero-point correction is then exact
-    in float while |sum| < 2^24, bounded by 128 x a row's sum of |q|: 1.3e7 at most in the random GPT-2's layers;
-    past it the two differ by an ulp, not a step) scaled by the row scales and the row's max in fbgemm's order: the
-    same bits as Int8Linear. What engine/compiled_decode.py
-    traces in place of fbgemm's packed weight, which is opaque to the compiler; eager serving never runs it. On
-    an AVX-512 VNNI host inductor's int8 micro-kernel ran GPT-2's 48 int8 matmuls, these ops included, in 1.3-1.6
-    ms, fbgemm's kernels alone in 2.0 and the eager path in 2.9-3.1 (docs/performance.md, "int8 and int4 inside
-    the compiled step")."""
+    as fbgemm rounds it, the exact int32 sums (unit weight scales in the GEMM: inductor's zero-point correction is
+    then exact in float while |sum| < 2^24, bounded by 128 x a row's sum of |q|: 1.3e7 at most in the random GPT-2's
+    layers; past it the two differ by an ulp, not a step) times the row scales / ROW_SPAN, as fbgemm scales them
+    at an activation scale of 1, then times the row's max: the same bits as Int8Linear. What
+    engine/compiled_decode.py traces in place of fbgemm's packed weight, which is opaque to the compiler; eager
+    serving never runs it. On an AVX-512 VNNI host inductor's int8 micro-kernel ran GPT-2's 48 int8 matmuls, these
+    ops included, in 1.3-1.6 ms, fbgemm's kernels alone in 2.0 and the eager path in 2.9-3.1 (docs/performance.md,
+    "int8 and int4 inside the compiled step")."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -337,6 +339,7 @@ class Int8Traced(_Served):
         self.register_buffer("scale", scale.float())
         self.register_buffer("zero", torch.zeros(q.shape[0], dtype=torch.long), persistent=False)
         self.register_buffer("one", torch.ones(q.shape[0]), persistent=False)
+        self.register_buffer("scale_over_span", self.scale / ROW_SPAN, persistent=False)  # fbgemm's packed scales
         self.register_buffer("bias", bias)
 
     def matrix_bytes(self) -> int:
@@ -350,7 +353,7 @@ class Int8Traced(_Served):
         xq = (x / m * ROW_SPAN + ACT_ZERO).round_().clamp_(0, 255).to(torch.uint8)
         x = qd.dequantize_per_tensor.default(xq, ACT_SCALE, ACT_ZERO, 0, 255, torch.uint8)
         w = qd.dequantize_per_channel.default(self.q, self.one, self.zero, 0, -128, 127, torch.int8)
-        y = F.linear(x, w) * self.scale * (m / ROW_SPAN)
+        y = F.linear(x, w) * self.scale_over_span * m
         if self.bias is not None:
             y = y + self.bias
         return _act(y.reshape(*shape[:-1], self.out_features).to(dtype), act)

@@ -68,7 +68,7 @@ AUTO_MAX_BLOCK_PARAMS = 16_000_000
 # (quantized models too: int8 / int4 GPT-2 124M decodes one stream 2.1x / 1.6x faster compiled, but on request
 # only: a compiled int8 matmul now returns fbgemm's bits, but the step's layer norms, GELU and attention differ
 # from eager ATen's by ulps, and an activation near a rounding tie then rounds the other way: seeded GPT-2
-# streams leave the eager tokens after 27-85 of 128 tokens, 11-46 before: docs/performance.md)
+# streams can leave the eager tokens after 11-24 of 128 tokens: docs/performance.md)
 # inductor's options for the CPU step (torch/_inductor/config.py): weights as constants (freezing: packed once),
 # max_autotune choosing between aten's GEMM and inductor's C++ micro-kernel per shape
 CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",

@@ -160,7 +160,7 @@ class KVCache:
             slot_range, slot_index = None, device_index(list(slots), self.device)
         start = lengths[0]
         uniform = all(n == start for n in lengths)
-        loops = self._loops(n_tokens, contiguous, B)
+        loops = self._loops(n_tokens, contiguous)
         if uniform and (n_tokens == 1 or start == 0):
             positions = self._arange[start:start + n_tokens].expand(B, n_tokens)
         else:
@@ -176,7 +176,7 @@ class KVCache:
         return CacheStep(slot_index, slot_range, positions, mask[:, None], kv_len,
                          start=start if uniform else None, row_kv=[n + n_tokens for n in lengths])
 
-    def _loops(self, n_tokens: int, contiguous: bool, rows: int) -> Callable[..., torch.Tensor] | None:
+    def _loops(self, n_tokens: int, contiguous: bool) -> Callable[..., torch.Tensor] | None:
         """The compiled attention a step of `n_tokens` per row uses (model.decode_attention), else None: one token a
         row, rows in consecutive slots (the server's decoding rows are slots 0..n-1), one row as several. SDPA is
         faster for one row of an fp32 cache (GPT-2 int8 / fp32 one-row steps 3.8% / 2.1% faster), but it rounds that

@@ -248,8 +248,7 @@ class Int8Linear(_Served):
             q2 = torch.cat([q, torch.zeros(q.shape[0], 2, dtype=torch.int8)], 1)  # the ±ROW_SPAN inputs' weights
             with warnings.catch_warnings():  # quantized tensors are deprecated, fbgemm's kernels still take them (2.13)
                 warnings.simplefilter("ignore", UserWarning)
-                # the row scales over ROW_SPAN (the activations' scale-up undone inside the kernel's own multiply)
-                qw = torch._make_per_channel_quantized_tensor(q2, (scale.float() / ROW_SPAN).double(),
+                qw = torch._make_per_channel_quantized_tensor(q2, packed_scale(scale).double(),
                                                               torch.zeros_like(scale, dtype=torch.long), 0)
             self.fbgemm = torch.ops.quantized.linear_prepack(qw, None)
             self.row_scale = scale.float()  # as quantized (int8_weight): fbgemm keeps only the quotients
@@ -289,7 +288,7 @@ class Int8Linear(_Served):
         if self.fbgemm is not None:
             x = x.float()
             m = _row_max(x)
-            # scaled in place by a Python scalar (a new tensor for it cost ~4% of GPT-2's 48 int8 matmuls at one row)
+            # scaled in place by a Python scalar: new tensors for the scalings cost GPT-2's 48 one-row int8 matmuls 8%
             xn = torch.cat([x / m, self._pm.expand(x.shape[0], 2)], -1).mul_(ROW_SPAN)
             y = torch.ops.quantized.linear_dynamic(xn, self.fbgemm, True).mul_(m)
             if self.bias is not None:
@@ -319,6 +318,12 @@ ROW_SPAN = 63.5
 ACT_SCALE, ACT_ZERO = 1.0, 64
 
 
+def packed_scale(scale: torch.Tensor) -> torch.Tensor:
+    """The per-row scales fbgemm's copy holds (and Int8Traced multiplies by): the row scales / ROW_SPAN, which undo
+    the activations' scale-up inside the kernel's own multiply."""
+    return scale.float() / ROW_SPAN
+
+
 class Int8Traced(_Served):
     """Int8Linear's arithmetic as the ops inductor's freezing passes fuse into its u8 x s8 GEMM (PT2E's pattern:
     activations dequantized per tensor, the weight per channel, then linear): each row scaled to ROW_SPAN, rounded
@@ -339,7 +344,7 @@ class Int8Traced(_Served):
         self.register_buffer("scale", scale.float())
         self.register_buffer("zero", torch.zeros(q.shape[0], dtype=torch.long), persistent=False)
         self.register_buffer("one", torch.ones(q.shape[0]), persistent=False)
-        self.register_buffer("scale_over_span", self.scale / ROW_SPAN, persistent=False)  # fbgemm's packed scales
+        self.register_buffer("scale_over_span", packed_scale(self.scale), persistent=False)
         self.register_buffer("bias", bias)
 
     def matrix_bytes(self) -> int:

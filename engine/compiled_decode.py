@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import gc
 import hashlib
 import json
 import logging
@@ -42,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -49,6 +51,7 @@ from unittest import mock
 import torch
 from torch import nn
 
+from engine.cpu_tuning import release_freed_memory
 from engine.cuda_graphs import BUCKETS, CONTEXT_BUCKETS, context_buckets, step_key
 from engine.plain_draw import KINDS, Kind, plain_draw
 from engine.sampler import Sampler
@@ -61,14 +64,14 @@ from model.linear import Int4Linear, Int8Embedding, Int8Linear, PackedLinear
 log = logging.getLogger(__name__)
 
 MODES = ("off", "on", "auto")
-# auto compiles a model whose blocks hold at most this many parameters: there a token's cost is PyTorch's per-op
-# overhead, which the compiled step removes (the bundled model's 3.2M: batch 1 2.3x faster in-process); GPT-2
-# 124M's 85M are bandwidth-bound (no gain measured, +2.5 GB resident): docs/performance.md
+# auto compiles fp32 weights of any size where the compile fits in memory, and keeps the steps only where they beat
+# the eager step when installed (engine.compile_gate: GPT-2 124M 1.2-1.3x on an AVX-512 host at 2 threads, no gain
+# on an AVX2 one at 1 thread); quantized weights only in models whose blocks
+# hold at most this many parameters (the bundled model's 3.2M): int8 / int4 GPT-2 124M decodes one stream 2.1x /
+# 1.6x faster compiled, but on request only: a compiled int8 matmul returns fbgemm's bits, but the step's layer
+# norms, GELU and attention differ from eager ATen's by ulps, and an activation near a rounding tie then rounds the
+# other way: seeded GPT-2 streams can leave the eager tokens after 11-24 of 128 tokens: docs/performance.md
 AUTO_MAX_BLOCK_PARAMS = 16_000_000
-# (quantized models too: int8 / int4 GPT-2 124M decodes one stream 2.1x / 1.6x faster compiled, but on request
-# only: a compiled int8 matmul now returns fbgemm's bits, but the step's layer norms, GELU and attention differ
-# from eager ATen's by ulps, and an activation near a rounding tie then rounds the other way: seeded GPT-2
-# streams can leave the eager tokens after 11-24 of 128 tokens: docs/performance.md)
 # inductor's options for the CPU step (torch/_inductor/config.py): weights as constants (freezing: packed once),
 # max_autotune choosing between aten's GEMM and inductor's C++ micro-kernel per shape
 CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
@@ -130,7 +133,7 @@ def code_digest(source: str) -> bytes:
 def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype, quantize: str) -> str:
     """on / off for this model: only a CPU's decode step is compiled (CUDA has its graphs): fp32 / bf16, int4, and
     int8 where fbgemm serves it eagerly (the rounding its compiled twin reproduces: model.linear.Int8Traced); auto
-    also needs fp32 and a small model (AUTO_MAX_BLOCK_PARAMS, counted as loaded, whatever the format)."""
+    also needs fp32, and quantized weights a small model (AUTO_MAX_BLOCK_PARAMS, counted as loaded)."""
     if mode not in MODES:
         raise ValueError(f"compile must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off" or device.type != "cpu":
@@ -138,8 +141,12 @@ def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype
     if quantize == "int8" and not cpu_support.support().fbgemm:
         return "off"
     if mode == "auto":
+        if dtype != torch.float32:
+            return "off"
+        if quantize == "none":
+            return "on"
         block_params = sum(p.numel() for p in GPT.skeleton(model.config).transformer.h.parameters())
-        return "on" if dtype == torch.float32 and block_params <= AUTO_MAX_BLOCK_PARAMS else "off"
+        return "on" if block_params <= AUTO_MAX_BLOCK_PARAMS else "off"
     return "on"
 
 
@@ -349,11 +356,14 @@ def load_step(path: Path, constants: dict[str, torch.Tensor] | None):
 class CompiledDecode:
     """Compiled decode steps for batches up to `max_batch` over `cache`, made (or loaded) by `start()` in a thread:
     per (batch, context) bucket one step that returns logits, and with a `sampler`, one per plain kind
-    (engine/plain_draw.py) that returns the drawn tokens."""
+    (engine/plain_draw.py) that returns the drawn tokens. `before_compile`: called before compiling (not before
+    loading), raises where a compile should not start (engine.compile_gate.check_compile_memory)."""
 
     def __init__(self, model: GPT, cache: KVCache, max_batch: int, contexts=CONTEXT_BUCKETS,
-                 sampler: Sampler | None = None, cache_dir: Path | None = None) -> None:
+                 sampler: Sampler | None = None, cache_dir: Path | None = None,
+                 before_compile: Callable[[], None] | None = None) -> None:
         self.model, self.cache, self.max_batch, self.sampler = model, cache, max_batch, sampler
+        self.before_compile = before_compile
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
         self.contexts = context_buckets(cache.max_len, contexts)
         self.kinds: tuple[Kind | None, ...] = (None,) + (KINDS if sampler is not None else ())
@@ -437,6 +447,8 @@ class CompiledDecode:
                             one_line(e))
                 self.steps.clear()
                 shutil.rmtree(folder, ignore_errors=True)
+        if self.before_compile is not None:
+            self.before_compile()
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryDirectory(dir=self.cache_dir).cleanup()  # writable?
@@ -451,6 +463,11 @@ class CompiledDecode:
             for (b, ctx, kind), name in names.items():
                 manifest[name] = build_package(Step(twin, self.cache.max_len, ctx, kind, *self._vocab_block()),
                                                self._scratch(b), Path(tmp) / name, Path(tmp) / WEIGHTS)
+                # what the package froze (its copy of the weights: GPT-2's 0.5 GB), freed, back to the kernel: the
+                # engine's heap keeps freed pages (engine.cpu_tuning.keep_freed_memory), and GPT-2's compile grew
+                # ~0.3 GB a package to 10.1 GB resident; given back after each, it stays at ~4.3 (docs/performance.md)
+                gc.collect()
+                release_freed_memory()
             (Path(tmp) / MANIFEST).write_text(json.dumps(manifest))
             try:
                 os.replace(tmp, folder)  # whole or not at all: a crash leaves no half folder under the key

@@ -128,6 +128,7 @@ class EngineCore:
     compile_cache = _runner_attr("compile_cache")
     compile_seconds = _runner_attr("compile_seconds")
     compile_source = _runner_attr("compile_source")
+    compile_timing = _runner_attr("compile_timing")
     attention_seconds = _runner_attr("attention_seconds")
     kv_resident_seconds = _runner_attr("kv_resident_seconds")
     warmup_error = _runner_attr("warmup_error")
@@ -350,6 +351,7 @@ class EngineCore:
                 "compiled_decode": self._compiled is not None,
                 "compiling": self._compiling is not None or self._attention is not None,
                 "compile_seconds": self.compile_seconds, "compile_source": self.compile_source,
+                "compile_timing": self.compile_timing,
                 "warmup_seconds": self.warmup_seconds, "prepacked_layers": self.packed_layers,
                 "weights": self.weights["format"],
                 "weight_bytes": self.weight_bytes, "kv_bytes": self.cache.nbytes(),

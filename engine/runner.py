@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engine import compiled_attention
+from engine.compile_gate import check_compile_memory, time_one_row
 from engine.cache_pages import ResidentFill
 from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
 from engine.compiled_decode import one_line
@@ -94,6 +95,9 @@ class ModelRunner:
         self.prepack, self.quantize, self.int4_group = prepack, quantize, int4_group  # the draft's too
         # a compiled CPU decode step (engine.compiled_decode; quantized layers through their twins: model.linear)
         self.compile = resolve_compile(compile, model, self.device, self.dtype, quantize)
+        # auto keeps the compiled steps only where they beat the eager step on this machine (engine.compile_gate)
+        self.compile_timed = compile == "auto" and self.compile == "on"
+        self.compile_timing: dict | None = None  # that timing, once made
         self.compile_attention = compiled_attention.wanted(self.cache, compile)  # a CPU cache's decode attention
         self._attention: compiled_attention.AttentionBuild | None = None  # ... while its compile runs
         self.compile_max_batch = min(compile_max_batch, n_slots)
@@ -294,8 +298,15 @@ class ModelRunner:
         background thread: the engine serves eagerly meanwhile and swaps the steps in at a step boundary."""
         from engine.compiled_decode import CompiledDecode
 
+        config, cache = self.model.config, self.cache
+
+        def fits() -> None:  # in the compile's thread; a KV cache not yet resident (engine.cache_pages) takes its
+            # memory meanwhile
+            fp32_bytes = 4 * sum(p.numel() for p in GPT.skeleton(config).parameters())
+            check_compile_memory(fp32_bytes, self.device, pending=0 if cache.resident else cache.nbytes())
+
         self._compiling = CompiledDecode(self.model, self.cache, self.compile_max_batch, sampler=self.sampler,
-                                         cache_dir=self.compile_cache)
+                                         cache_dir=self.compile_cache, before_compile=fits)
         self._compiling.start()
         log.info("compiling the decode step (batches up to %d) in the background; decoding eagerly meanwhile",
                  self.compile_max_batch)
@@ -354,9 +365,23 @@ class ModelRunner:
             log.warning("decode step not compiled (%s); decoding eagerly", compiled.error)
         elif not same:
             log.warning("the compiled decode step differs from eager decoding; decoding eagerly")
-        else:
+        elif not self.compile_timed or self._faster(compiled):  # auto: only where faster (one log line if not)
             self._compiled = compiled
             log.info("decode steps up to %d rows %s in %.1f s (%d batch x %d context buckets x %d kinds: %s)",
                      compiled.max_batch, "loaded from the compile cache" if compiled.source == "cache" else
                      "compiled ahead of time by AOTInductor", compiled.seconds, len(compiled.buckets),
                      len(compiled.contexts), len(compiled.kinds), compiled.folder)
+
+    def _faster(self, compiled) -> bool:
+        """auto: whether the compiled one-row step beats the eager one here (engine.compile_gate; kept for /info);
+        if not, one log line."""
+        try:
+            timing = time_one_row(self.model, compiled, self.cache)
+        except Exception as e:  # noqa: BLE001 - a timing that fails keeps the engine eager, as a failed check does
+            log.warning("timing the compiled decode step failed (%s); decoding eagerly", one_line(e))
+            return False
+        self.compile_timing = timing.as_dict()
+        if not timing.pays:
+            log.warning("the compiled decode step is no faster than eager here (%.2f ms a one-row step against "
+                        "%.2f); decoding eagerly", timing.compiled_ms, timing.eager_ms)
+        return timing.pays

@@ -163,21 +163,110 @@ def test_a_compiled_step_that_differs_from_eager_is_dropped(monkeypatch, caplog)
     assert any("differs from eager" in r.getMessage() for r in caplog.records)
 
 
-def test_auto_compiles_small_models_on_a_cpu_only():
+def test_auto_compiles_fp32_models_and_small_quantized_ones_on_a_cpu_only():
     small = tiny_model(0, vocab_size=96, block_size=64)
     cpu = torch.device("cpu")
     assert cd.resolve_mode("auto", small, cpu, torch.float32, "none") == "on"
     assert cd.resolve_mode("auto", small, cpu, torch.bfloat16, "none") == "off"
     assert cd.resolve_mode("auto", small, cpu, torch.float32, "int4") == "on"  # quantized too: counted as loaded
     assert cd.resolve_mode("on", small, torch.device("meta"), torch.float32, "none") == "off"  # not a CPU
-    with torch.device("meta"):  # GPT-2 124M's shape: 85M block parameters, bandwidth-bound
+    with torch.device("meta"):  # GPT-2 124M's shape: 85M block parameters
         from model.config import GPTConfig
         from model.gpt import GPT
 
         gpt2 = GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768))
-    for fmt in ("none", "int8", "int4"):  # quantized GPT-2 too: its compiled int8 rows round unlike fbgemm's at times
+    # fp32 of any size (kept where faster, engine.compile_gate); quantized GPT-2 on request only: its compiled
+    # layer norms and GELU round unlike eager's by ulps, and int8's rounding makes a token of one at times
+    assert cd.resolve_mode("auto", gpt2, cpu, torch.float32, "none") == "on"
+    assert cd.resolve_mode("auto", gpt2, cpu, torch.bfloat16, "none") == "off"
+    for fmt in ("int8", "int4"):
         assert cd.resolve_mode("auto", gpt2, cpu, torch.float32, fmt) == "off"
+    for fmt in ("none", "int8", "int4"):
         assert cd.resolve_mode("on", gpt2, cpu, torch.float32, fmt) == "on"
+
+
+def slow_stand_in(monkeypatch, delay: float) -> list:
+    """The stand-in compiler (eager steps) with `delay` seconds added to every compiled call: a compiled step
+    slower than eager."""
+    calls: list = []
+    stand_in_compiler(monkeypatch, calls)
+    load = cd.load_step
+
+    def slow_load(path, constants):
+        run = load(path, constants)
+
+        def slow(*args):
+            time.sleep(delay)
+            return run(*args)
+
+        return slow
+
+    monkeypatch.setattr(cd, "load_step", slow_load)
+    return calls
+
+
+def test_auto_drops_a_compiled_step_slower_than_eager_with_one_log_line(monkeypatch, caplog):
+    slow_stand_in(monkeypatch, 0.02)
+    with caplog.at_level(logging.WARNING, logger="engine.core"):
+        core = make_core("auto")
+    stats = core.stats()
+    assert not stats["compiled_decode"] and core.warmup_error is None
+    timing = stats["compile_timing"]
+    assert timing["compiled_ms"] >= 20 > timing["eager_ms"] and not timing["kept"] and timing["length"] == 63
+    lines = [r.getMessage() for r in caplog.records if "no faster" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("the compiled decode step is no faster than eager here (")
+    assert run(core, together=False) == run(make_core("off"), together=False)
+
+
+def test_on_keeps_the_compiled_step_untimed(monkeypatch):
+    """`on` is the user's choice: the step is not timed, and kept however slow."""
+    calls = slow_stand_in(monkeypatch, 0.02)
+    core = make_core("on")
+    assert core.stats()["compiled_decode"] and core.stats()["compile_timing"] is None
+    n = len(calls)
+    run(core, together=False)
+    assert len(calls) > n
+
+
+def test_auto_keeps_a_compiled_step_faster_than_eager(monkeypatch):
+    """The eager step made slower instead (the tiny model's compiled stand-in is the eager step itself): auto keeps
+    the compiled steps, which serve the requests their tokens."""
+    import engine.compile_gate as gate
+
+    forward = gate.GPT.forward_cached
+
+    def slow_eager(self, *args, **kw):
+        time.sleep(0.02)
+        return forward(self, *args, **kw)
+
+    calls: list = []
+    stand_in_compiler(monkeypatch, calls)
+    with monkeypatch.context() as m:
+        m.setattr(gate.GPT, "forward_cached", slow_eager)  # during the timing only
+        core = make_core("auto")
+    timing = core.stats()["compile_timing"]
+    assert core.stats()["compiled_decode"] and timing["kept"] and timing["eager_ms"] >= 20 > timing["compiled_ms"]
+    n = len(calls)
+    assert run(core, together=False) == run(make_core("off"), together=False) and len(calls) > n
+
+
+def test_a_compile_that_would_not_fit_in_memory_is_not_started_but_a_cached_one_loads(monkeypatch, caplog):
+    import engine.compile_gate as gate
+
+    built = stand_in_compiler(monkeypatch, [])
+    monkeypatch.setattr(gate, "available_memory", lambda device: 2**29)  # 0.5 GiB: the compile needs more
+    with caplog.at_level(logging.WARNING, logger="engine.core"):
+        core = make_core("on")
+    assert not core.stats()["compiled_decode"] and not built  # nothing compiled, the engine eager
+    lines = [r.getMessage() for r in caplog.records if "not compiled" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("decode step not compiled (CompileMemoryError: its compile needs "
+                                                   "about ") and lines[0].endswith(", 0.50 GiB available); decoding eagerly")
+    assert run(core, together=False) == run(make_core("off"), together=False)
+    monkeypatch.setattr(gate, "available_memory", lambda device: 2**40)
+    assert make_core("on").stats()["compile_source"] == "compiled" and built
+    monkeypatch.setattr(gate, "available_memory", lambda device: 2**29)  # a load needs no compile's memory
+    core = make_core("on")
+    assert core.stats()["compiled_decode"] and core.stats()["compile_source"] == "cache"
 
 def test_int8_compiles_only_where_fbgemm_serves_it(monkeypatch):
     """Elsewhere eager int8 is the weight-only kernel over bf16 activations, which the twin does not round as."""

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engine import compiled_attention
-from engine.compile_gate import check_compile_memory, time_one_row
 from engine.cache_pages import ResidentFill
+from engine.compile_gate import check_compile_memory, time_one_row
 from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
 from engine.compiled_decode import one_line
 from engine.compiled_decode import resolve_mode as resolve_compile

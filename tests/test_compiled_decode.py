@@ -259,8 +259,9 @@ def test_a_compile_that_would_not_fit_in_memory_is_not_started_but_a_cached_one_
         core = make_core("on")
     assert not core.stats()["compiled_decode"] and not built  # nothing compiled, the engine eager
     lines = [r.getMessage() for r in caplog.records if "not compiled" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith("decode step not compiled (CompileMemoryError: its compile needs "
-                                                   "about ") and lines[0].endswith(", 0.50 GiB available); decoding eagerly")
+    assert len(lines) == 1
+    assert lines[0].startswith("decode step not compiled (CompileMemoryError: its compile needs about ")
+    assert lines[0].endswith(", 0.50 GiB available); decoding eagerly")
     assert run(core, together=False) == run(make_core("off"), together=False)
     monkeypatch.setattr(gate, "available_memory", lambda device: 2**40)
     assert make_core("on").stats()["compile_source"] == "compiled" and built

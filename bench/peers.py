@@ -62,13 +62,13 @@ SERVERS: dict[str, dict[str, Any]] = {
     "ours-bf16": {"kind": "ours", "weights": "bf16"},
     # our weight formats (model/linear.py) beside llama.cpp's of the same bits: int8 vs q8_0, int4 vs q4_0
     "ours-eager": {"kind": "ours", "weights": "fp32", "extra_args": ["--compile", "off"]},  # the default: auto
-    # the compiled decode step for any size (auto compiles small models only: engine/compiled_decode.py)
+    # the compiled decode step kept whatever its timing (auto keeps it where faster: engine/compile_gate.py)
     "ours-compiled": {"kind": "ours", "weights": "fp32", "extra_args": ["--compile", "on"]},
     # the KV cache in bf16 (half the memory), attended through compiled loops (model/decode_attention.py)
     "ours-kv-bf16": {"kind": "ours", "weights": "fp32", "extra_args": ["--kv-cache-dtype", "bf16"]},
     "ours-int8": {"kind": "ours", "weights": "fp32", "quantize": "int8"},
     "ours-int4": {"kind": "ours", "weights": "fp32", "quantize": "int4"},
-    # the same formats with the decode step eager / compiled (auto compiles small models only)
+    # the same formats with the decode step eager / compiled (auto compiles quantized models only when small)
     "ours-int8-compiled": {"kind": "ours", "weights": "fp32", "quantize": "int8", "extra_args": ["--compile", "on"]},
     "ours-int4-compiled": {"kind": "ours", "weights": "fp32", "quantize": "int4", "extra_args": ["--compile", "on"]},
     "ours-int8-eager": {"kind": "ours", "weights": "fp32", "quantize": "int8", "extra_args": ["--compile", "off"]},

@@ -232,6 +232,17 @@ def build_package(step: Step, example: tuple, path: Path, store: Path) -> dict[s
 
 
 @contextlib.contextmanager
+def scratch_inductor_cache(parent: Path):
+    """inductor's cache folder for one compile of the packages, deleted after it: inductor keeps a copy of every
+    package's frozen weights there (GPT-2: 15 x 0.63 GB in /tmp/torchinductor_<user> a compile, never read again: the
+    packages live in our cache, `unpack`). torch's own context for a temporary inductor cache."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    with tempfile.TemporaryDirectory(dir=parent, prefix="inductor-") as d, temporary_cache_dir(d):
+        yield
+
+
+@contextlib.contextmanager
 def _eager_int4_kernel():
     """int4 matmuls inside a compiled step through aten's kernel, the eager rows' own, not inductor's WoQ int4
     template (chosen by max_autotune, which offers no switch for it): the template rounds its bf16 arithmetic
@@ -457,7 +468,7 @@ class CompiledDecode:
                         self.cache_dir, one_line(e))
             self.cache_dir = Path(tempfile.mkdtemp(prefix="gpt-serve-compiled-"))
             folder = self.folder = self.cache_dir / folder.name
-        with tempfile.TemporaryDirectory(dir=self.cache_dir) as tmp:
+        with tempfile.TemporaryDirectory(dir=self.cache_dir) as tmp, scratch_inductor_cache(self.cache_dir):
             (Path(tmp) / WEIGHTS).mkdir()
             manifest = {}
             for (b, ctx, kind), name in names.items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -404,6 +405,29 @@ class _Shifted(torch.nn.Module):
 
     def forward(self, x):
         return self.net(x) + self.shift
+
+
+def test_a_compile_leaves_nothing_in_inductor_s_own_cache_folder(monkeypatch, compile_cache):
+    """inductor keeps a copy of every package's frozen weights in its cache folder (GPT-2: 15 x 0.63 GB in
+    /tmp/torchinductor_<user> a compile): the packages are built with a folder of their own, deleted after."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    before = cache_dir()
+    built = stand_in_compiler(monkeypatch, [])
+    seen: list[str] = []
+    build = cd.build_package
+
+    def build_recording(step, example, path, store):
+        seen.append(cache_dir())
+        Path(seen[-1], "weights.blob").write_bytes(b"a frozen copy")
+        return build(step, example, path, store)
+
+    monkeypatch.setattr(cd, "build_package", build_recording)
+    core = make_core("on")
+    assert core.stats()["compile_source"] == "compiled" and len(seen) == len(built) == 5
+    assert len(set(seen)) == 1 and Path(seen[0]).parent == compile_cache and not Path(seen[0]).exists()
+    assert cache_dir() == before
+    assert {p.name for p in compile_cache.iterdir()} <= {core._compiled.folder.name, "kernels.json"}
 
 
 def test_packages_keep_one_copy_of_their_constants(tmp_path, monkeypatch):

@@ -51,8 +51,8 @@ from unittest import mock
 import torch
 from torch import nn
 
-from engine.cpu_tuning import release_freed_memory
 from engine.cuda_graphs import BUCKETS, CONTEXT_BUCKETS, context_buckets, step_key
+from engine.heap import release_freed_memory
 from engine.plain_draw import KINDS, Kind, plain_draw
 from engine.sampler import Sampler
 from model import cpu_support
@@ -475,7 +475,7 @@ class CompiledDecode:
                 manifest[name] = build_package(Step(twin, self.cache.max_len, ctx, kind, *self._vocab_block()),
                                                self._scratch(b), Path(tmp) / name, Path(tmp) / WEIGHTS)
                 # what the package froze (its copy of the weights: GPT-2's 0.5 GB), freed, back to the kernel: the
-                # engine's heap keeps freed pages (engine.cpu_tuning.keep_freed_memory), and GPT-2's compile grew
+                # engine's heap keeps freed pages (engine.heap.keep_freed_memory), and GPT-2's compile grew
                 # ~0.3 GB a package to 10.1 GB resident; given back after each, it stays at ~4.3 (docs/performance.md)
                 gc.collect()
                 release_freed_memory()

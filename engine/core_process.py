@@ -37,11 +37,10 @@ from engine.cpu_tuning import (
     KernelChoices,
     choose_threads,
     core_threads,
-    keep_freed_memory,
-    release_freed_memory,
     set_openmp_waits,
     thread_model_key,
 )
+from engine.heap import keep_freed_memory, release_freed_memory
 
 log = logging.getLogger("engine")
 

@@ -1,18 +1,17 @@
 """What a server tunes to the CPU it runs on, measured or set at start-up: the auto dtype (a bf16 timing), the torch
-threads (a one-row step timing), OpenMP's waits and glibc's malloc. The measurements behind each choice:
-docs/performance.md, "Measurements moved out of code comments".
+threads (a one-row step timing) and OpenMP's waits (glibc's malloc: engine/heap.py). The measurements behind each
+choice: docs/performance.md, "Measurements moved out of code comments".
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
 from typing import Any
 
 # torch and the model's modules are imported inside the functions below: the core process calls set_openmp_waits
-# and keep_freed_memory before torch loads (OpenMP reads its waits when torch loads libgomp).
+# before torch loads (OpenMP reads its waits when torch loads libgomp).
 
 log = logging.getLogger("engine")
 
@@ -146,34 +145,6 @@ def choose_threads(core, n: int, repeats: int = 9) -> dict[str, Any]:
              f"{gain:.2f}x" if gain else "not measured")
     return {"threads": chosen, "cores": n, "one_row_step_ms": round(first * 1000, 3),
             "last_thread_gain": None if gain is None else round(gain, 3), "chosen": "all" if chosen == n else "n-1"}
-
-
-def keep_freed_memory() -> bool:
-    """glibc's malloc: blocks up to 32 MiB come from the heap, and what is freed stays there (no trim below 1 GiB),
-    so a prefill's activations (~6 MiB each for a 512-token GPT-2 prompt) reuse pages already mapped. By default
-    glibc maps such blocks afresh and unmaps them when freed (its threshold only moves up after a free), so a
-    prompt longer than the last ones pays a page fault for every 4 KiB it touches (docs/performance.md has the
-    timings). The heap keeps its peak afterwards (a server's working set). Skipped where the user set glibc's
-    own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_, and where mallopt does not exist (not glibc). Returns
-    whether it applied."""
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("MALLOC_TRIM_THRESHOLD_"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
-
-
-def release_freed_memory() -> None:
-    """Give the heap's free pages back to the kernel once (glibc's malloc_trim), after loading: the weights as
-    stored (fp32) are freed when the engine swaps in their served copy (packed, int8, int4), but `keep_freed_memory`
-    keeps freed blocks resident (docs/performance.md: the idle memory it gives back)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 # the entry of a kept thread choice beside the kernels' "OUTxIN" ones: "threads " + thread_model_key(...)

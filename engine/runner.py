@@ -28,7 +28,8 @@ from engine.compile_gate import check_compile_memory, time_one_row
 from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
 from engine.compiled_decode import one_line
 from engine.compiled_decode import resolve_mode as resolve_compile
-from engine.cpu_tuning import KernelChoices, release_freed_memory
+from engine.cpu_tuning import KernelChoices
+from engine.heap import release_freed_memory
 from engine.ops import Admit, Copy, Draw, Free, Idle, Move, Op
 from engine.params import SamplingParams
 from engine.prompt_logprobs import PromptScorer
@@ -355,7 +356,7 @@ class ModelRunner:
         self.compile_seconds, self.compile_source = compiled.seconds, compiled.source
         drop_plain(self.model)  # the compile has read the plain weights (or failed): eager steps never do
         release_freed_memory()  # those, and what the compile freed (GPT-2's: 8.7 GB resident after it), kept by
-        # engine.cpu_tuning.keep_freed_memory's heap
+        # engine.heap.keep_freed_memory's heap
         try:
             same = compiled.error is None and compiled.check()
         except Exception as e:  # noqa: BLE001 - a failing check costs speed, never the engine

@@ -21,9 +21,9 @@ from engine.cpu_tuning import (
     KernelChoices,
     choose_threads,
     core_threads,
-    keep_freed_memory,
     thread_model_key,
 )
+from engine.heap import keep_freed_memory
 from tests.app_helpers import (
     app_client,
     hang_up_when,

@@ -30,7 +30,8 @@ from bench.common import REPO, env_info, median, random_gpt2, write_result
 FORMATS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "fp16": ("fp16", "none"), "int8": ("fp32", "int8"),
            "int4": ("fp32", "int4")}
 DEFAULT_FORMATS = ("fp32", "bf16", "int8", "int4")
-# the KV cache in bf16 beside a format's weights (GPT_KV_CACHE_DTYPE=bf16): speed only (evaluate reads no cache)
+# the KV cache in bf16 beside a format's weights (GPT_KV_CACHE_DTYPE=bf16); its quality scored token by token
+# through the cache, beside the same format through an fp32 cache (training.evaluate --kv-cache-dtype)
 KV_VARIANTS = {f"{name}+kv-bf16": fmt for name, fmt in FORMATS.items() if name != "bf16"}
 SHAKESPEARE = Path(REPO).parent / "shared" / "data" / "tinyshakespeare.txt"
 VAL_BYTES = 111540  # the last 10% of tinyshakespeare: the bundled model's held-out split
@@ -96,19 +97,29 @@ def one_round(fmt: str, batches: list[int], new_tokens: int, threads: int | None
 
 
 def quality(fmt: str) -> dict[str, Any]:
-    """Bits per byte of the bundled model in this format on the held-out split."""
+    """Bits per byte of the bundled model in this format on the held-out split; a KV variant's decoded token by
+    token through its bf16 cache, beside the same weights through an fp32 cache (`fp32_cache_bits_per_byte`)."""
     import tempfile
 
     from training.evaluate import evaluate
 
-    dtype, quantize = FORMATS[fmt]
+    dtype, quantize = FORMATS.get(fmt) or KV_VARIANTS[fmt]
     with tempfile.TemporaryDirectory() as d:
         val = Path(d) / "val.txt"
         data = SHAKESPEARE.read_bytes()
         val.write_bytes(data[-VAL_BYTES:])
-        r = evaluate(str(REPO / "checkpoints" / "shakespeare"), [str(val)], device="cpu", quantize=quantize,
-                     dtype=dtype)
-    return {"bits_per_byte": r["bits_per_byte"], "perplexity": r["perplexity"], "seconds": r["seconds"]}
+
+        def score(kv: str | None) -> dict[str, Any]:
+            return evaluate(str(REPO / "checkpoints" / "shakespeare"), [str(val)], device="cpu", quantize=quantize,
+                            dtype=dtype, kv_cache_dtype=kv)
+
+        if fmt in FORMATS:
+            r = score(None)
+            return {"bits_per_byte": r["bits_per_byte"], "perplexity": r["perplexity"], "seconds": r["seconds"]}
+        r, ref = score("bf16"), score("fp32")
+    q, q0 = r["bits_per_byte"], ref["bits_per_byte"]
+    return {"bits_per_byte": q, "perplexity": r["perplexity"], "seconds": r["seconds"], "kv_cache_dtype": "bf16",
+            "fp32_cache_bits_per_byte": q0, "delta_vs_fp32_cache_pct": round(100 * (q - q0) / q0, 5)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                       "decode_ms": {b: median([x["decode_ms"][b] for x in rs]) for b in rs[0]["decode_ms"]},
                       "prefill512_ms": median([x["prefill512_ms"] for x in rs]), "rounds": rs}
         results[f]["decode_tok_s"] = {b: round(int(b) * 1000 / ms, 1) for b, ms in results[f]["decode_ms"].items()}
-        if not args.no_quality and f in FORMATS:
+        if not args.no_quality:
             results[f]["quality"] = quality(f)
     base = results.get("fp32")
     if base:

@@ -292,6 +292,25 @@ def test_evaluate_matches_a_hand_computation(tmp_path, tiny_checkpoint, block, s
     assert res["bits_per_byte"] == pytest.approx(expected / (len(text.encode()) * math.log(2)), rel=1e-5)
 
 
+@pytest.mark.parametrize("block,stride", [(16, 8), (12, 5)])
+def test_evaluate_through_a_kv_cache_scores_as_one_forward_pass_does(tmp_path, tiny_checkpoint, block, stride):
+    """--kv-cache-dtype: each window decoded token by token through a cache (the server's compiled decode attention
+    on a CPU): an fp32 cache gives the forward pass's loss; a bf16 one rounds the keys and values it stores, a
+    little off it (the quality a 16-bit cache costs, measured on the path that serves it)."""
+    from training.evaluate import evaluate
+
+    f = tmp_path / "t.txt"
+    f.write_text("the theme: the other thing, then the end.\n" * 3)
+    kw = dict(block_size=block, stride=stride, batch_size=3)
+    plain = evaluate(str(tiny_checkpoint), [str(f)], **kw)
+    fp32 = evaluate(str(tiny_checkpoint), [str(f)], kv_cache_dtype="fp32", **kw)
+    bf16 = evaluate(str(tiny_checkpoint), [str(f)], kv_cache_dtype="bf16", **kw)
+    assert fp32["kv_cache_dtype"] == "fp32" and plain["kv_cache_dtype"] is None
+    assert fp32["predicted_tokens"] == bf16["predicted_tokens"] == plain["predicted_tokens"]
+    assert fp32["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    assert bf16["loss"] != fp32["loss"] and bf16["loss"] == pytest.approx(plain["loss"], rel=1e-2)
+
+
 def test_evaluate_whole_text_in_one_window_equals_the_models_own_loss(tmp_path, tiny_checkpoint):
     from training.evaluate import evaluate
 
@@ -463,3 +482,6 @@ def test_evaluate_errors(tmp_path, tiny_checkpoint, capsys):
     assert "no such file" in err("--checkpoint", str(tiny_checkpoint), "--input", str(tmp_path / "nope.txt"))
     assert "--block-size must be in [1, 16]" in err("--checkpoint", str(tiny_checkpoint), "--input",
                                                     str(tmp_path / "t.txt"), "--block-size", "17")
+    with pytest.raises(SystemExit) as e:  # argparse's own one-line error, exit 2
+        main(["--checkpoint", str(tiny_checkpoint), "--input", str(tmp_path / "t.txt"), "--kv-cache-dtype", "int8"])
+    assert e.value.code == 2 and "--kv-cache-dtype: invalid choice: 'int8'" in capsys.readouterr().err

@@ -104,9 +104,9 @@ class Settings(BaseSettings):
         "auto", description="CPU, unquantized weights: decode steps of up to compile_max_batch rows, greedy and "
                             "plain sampled draws inside, compiled ahead of time by AOTInductor in the background "
                             "after start-up (C++ GEMM micro-kernels; swapped in once they equal eager decoding) and "
-                            "kept in compile_cache; auto: on for fp32 models (quantized ones of at most 16M block "
-                            "parameters) where the compile fits in memory, kept where a one-row step times faster "
-                            "than eager")
+                            "kept in compile_cache; auto: on for fp32 models (quantized ones, or over a 16-bit KV "
+                            "cache, of at most 16M block parameters) where the compile fits in memory, kept where a "
+                            "one-row step times faster than eager")
     compile_max_batch: int = Field(1, ge=1, le=64, description="the largest decode batch compiled (--compile on)")
     compile_cache: Path | None = Field(None, description="where compiled decode steps are kept, one folder per "
                                        "weights, CPU, threads and torch version (default ~/.cache/gpt-serve/compiled):"

@@ -66,8 +66,9 @@ log = logging.getLogger(__name__)
 MODES = ("off", "on", "auto")
 # auto compiles fp32 weights of any size where the compile fits in memory, and keeps the steps only where they beat
 # the eager step when installed (engine.compile_gate: GPT-2 124M 1.2-1.3x on an AVX-512 host at 2 threads, no gain
-# on an AVX2 one at 1 thread); quantized weights only in models whose blocks
-# hold at most this many parameters (the bundled model's 3.2M): int8 / int4 GPT-2 124M decodes one stream 2.1x /
+# on an AVX2 one at 1 thread); over a 16-bit KV cache only small models (GPT-2 124M's step over a bf16 cache failed
+# the install check, its compile peaking at 13.5 GB resident); quantized weights only in models whose blocks hold at
+# most this many parameters (the bundled model's 3.2M): int8 / int4 GPT-2 124M decodes one stream 2.1x /
 # 1.6x faster compiled, but on request only: a compiled int8 matmul returns fbgemm's bits, but the step's layer
 # norms, GELU and attention differ from eager ATen's by ulps, and an activation near a rounding tie then rounds the
 # other way: seeded GPT-2 streams can leave the eager tokens after 11-24 of 128 tokens: docs/performance.md
@@ -130,10 +131,12 @@ def code_digest(source: str) -> bytes:
     return ast.dump(tree).encode()
 
 
-def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype, quantize: str) -> str:
+def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype, quantize: str,
+                 kv_dtype: torch.dtype | None = None) -> str:
     """on / off for this model: only a CPU's decode step is compiled (CUDA has its graphs): fp32 / bf16, int4, and
     int8 where fbgemm serves it eagerly (the rounding its compiled twin reproduces: model.linear.Int8Traced); auto
-    also needs fp32, and quantized weights a small model (AUTO_MAX_BLOCK_PARAMS, counted as loaded)."""
+    also needs fp32, and quantized weights or a 16-bit KV cache (`kv_dtype`; default: `dtype`) a small model
+    (AUTO_MAX_BLOCK_PARAMS, counted as loaded)."""
     if mode not in MODES:
         raise ValueError(f"compile must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off" or device.type != "cpu":
@@ -143,7 +146,7 @@ def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype
     if mode == "auto":
         if dtype != torch.float32:
             return "off"
-        if quantize == "none":
+        if quantize == "none" and (kv_dtype or dtype).itemsize == 4:
             return "on"
         block_params = sum(p.numel() for p in GPT.skeleton(model.config).transformer.h.parameters())
         return "on" if block_params <= AUTO_MAX_BLOCK_PARAMS else "off"

@@ -95,7 +95,7 @@ class ModelRunner:
         self.kernels: dict = {}
         self.prepack, self.quantize, self.int4_group = prepack, quantize, int4_group  # the draft's too
         # a compiled CPU decode step (engine.compiled_decode; quantized layers through their twins: model.linear)
-        self.compile = resolve_compile(compile, model, self.device, self.dtype, quantize)
+        self.compile = resolve_compile(compile, model, self.device, self.dtype, quantize, self.kv_dtype)
         # auto keeps the compiled steps only where they beat the eager step on this machine (engine.compile_gate)
         self.compile_timed = compile == "auto" and self.compile == "on"
         self.compile_timing: dict | None = None  # that timing, once made

@@ -179,7 +179,12 @@ def test_auto_compiles_fp32_models_and_small_quantized_ones_on_a_cpu_only():
     # fp32 of any size (kept where faster, engine.compile_gate); quantized GPT-2 on request only: its compiled
     # layer norms and GELU round unlike eager's by ulps, and int8's rounding makes a token of one at times
     assert cd.resolve_mode("auto", gpt2, cpu, torch.float32, "none") == "on"
+    assert cd.resolve_mode("auto", gpt2, cpu, torch.float32, "none", torch.float32) == "on"
     assert cd.resolve_mode("auto", gpt2, cpu, torch.bfloat16, "none") == "off"
+    for kv in (torch.bfloat16, torch.float16):  # over a 16-bit cache GPT-2's step failed the install check
+        assert cd.resolve_mode("auto", gpt2, cpu, torch.float32, "none", kv) == "off"
+        assert cd.resolve_mode("auto", small, cpu, torch.float32, "none", kv) == "on"  # the bundled model's installs
+        assert cd.resolve_mode("on", gpt2, cpu, torch.float32, "none", kv) == "on"
     for fmt in ("int8", "int4"):
         assert cd.resolve_mode("auto", gpt2, cpu, torch.float32, fmt) == "off"
     for fmt in ("none", "int8", "int4"):

@@ -25,7 +25,7 @@ from model.gpt import GPT
 from model.kv_cache import KVCache
 
 # the compiled steps are kept when a one-row step takes at most this share of the eager one's time: below the
-# timing's spread on a quiet 2-vCPU host (2-3%), and worth their memory (GPT-2 124M: +0.5 GB resident)
+# timing's spread on a quiet 2-vCPU host (2-3%), and worth their memory (GPT-2 124M: +0.7 GB idle PSS)
 KEEP_AT = 0.95
 LENGTH = 200  # keys in the row when timed: a chat turn's context (the smallest context bucket, 256, holds it)
 # a compile's memory beyond the serving process's own, by the model's weights in fp32: export, inductor's frozen

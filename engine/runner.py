@@ -351,7 +351,8 @@ class ModelRunner:
                  built.seconds)
 
     def _install_compiled(self) -> None:
-        """Use the compiled steps if their replay equals the eager step on the live cache; else one log line."""
+        """Use the compiled steps if their replay equals the eager step on the live cache (and, under auto, their
+        one-row step times faster: engine.compile_gate); else one log line."""
         compiled, self._compiling = self._compiling, None
         self.compile_seconds, self.compile_source = compiled.seconds, compiled.source
         drop_plain(self.model)  # the compile has read the plain weights (or failed): eager steps never do

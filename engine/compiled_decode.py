@@ -31,6 +31,7 @@ evaluation and AOT autograd's runtime wrappers, ~40% of the bundled model's comp
 from __future__ import annotations
 
 import ast
+import atexit
 import contextlib
 import gc
 import hashlib
@@ -470,6 +471,7 @@ class CompiledDecode:
             log.warning("compile cache %s is not writable (%s); the compiled steps are kept for this process only",
                         self.cache_dir, one_line(e))
             self.cache_dir = Path(tempfile.mkdtemp(prefix="gpt-serve-compiled-"))
+            atexit.register(shutil.rmtree, self.cache_dir, True)  # GPT-2's packages: 0.68 GB each start otherwise
             folder = self.folder = self.cache_dir / folder.name
         with tempfile.TemporaryDirectory(dir=self.cache_dir) as tmp, scratch_inductor_cache(self.cache_dir):
             (Path(tmp) / WEIGHTS).mkdir()

@@ -374,12 +374,27 @@ def test_an_unwritable_compile_cache_compiles_for_the_process_with_one_log_line(
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder")
     monkeypatch.setattr(cd, "default_cache_dir", lambda: blocked / "compiled")
+    at_exit: list = []
+    register = cd.atexit.register  # still registered: seen here as well
+
+    def seen(fn, *args):
+        at_exit.append((fn, args))
+        return register(fn, *args)
+
+    monkeypatch.setattr(cd.atexit, "register", seen)
     with caplog.at_level(logging.WARNING, logger="engine.compiled_decode"):
         core = make_core("on")
     assert core.stats()["compiled_decode"] and core.stats()["compile_source"] == "compiled"
     lines = [r.getMessage() for r in caplog.records if "not writable" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith(f"compile cache {blocked / 'compiled'} is not writable")
     assert run(core, together=False) == run(make_core("off"), together=False)
+    # the process's own folder goes with it (GPT-2's packages: 0.68 GB a start left in /tmp otherwise)
+    folder = core._compiled.folder.parent
+    ours = [(fn, args) for fn, args in at_exit if args and args[0] == folder]  # (torch registers its own too)
+    assert folder.name.startswith("gpt-serve-compiled-") and folder.is_dir() and len(ours) == 1
+    fn, args = ours[0]
+    fn(*args)
+    assert not folder.exists()
 
 
 def test_speculation_pauses_on_the_batches_the_compiled_step_serves(monkeypatch):

@@ -481,7 +481,8 @@ class CompiledDecode:
                                                self._scratch(b), Path(tmp) / name, Path(tmp) / WEIGHTS)
                 # what the package froze (its copy of the weights: GPT-2's 0.5 GB), freed, back to the kernel: the
                 # engine's heap keeps freed pages (engine.heap.keep_freed_memory), and GPT-2's compile grew
-                # ~0.3 GB a package to 10.1 GB resident; given back after each, it stays at ~4.3 (docs/performance.md)
+                # ~0.3 GB a package to a 10.3 GB peak resident; given back after each, it peaks at 7.7
+                # (docs/performance.md)
                 gc.collect()
                 release_freed_memory()
             (Path(tmp) / MANIFEST).write_text(json.dumps(manifest))

@@ -303,7 +303,7 @@ class ModelRunner:
 
         def fits() -> None:  # in the compile's thread; a KV cache not yet resident (engine.cache_pages) takes its
             # memory meanwhile
-            fp32_bytes = 4 * sum(p.numel() for p in GPT.skeleton(config).parameters())
+            fp32_bytes = 4 * GPT.skeleton(config).num_params(non_embedding=False)  # as engine.build sizes it
             check_compile_memory(fp32_bytes, self.device, pending=0 if cache.resident else cache.nbytes())
 
         self._compiling = CompiledDecode(self.model, self.cache, self.compile_max_batch, sampler=self.sampler,

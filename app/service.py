@@ -30,7 +30,7 @@ from engine.client import EngineClient, EngineError, ProcessEngineClient, Thread
 from engine.core_process import CoreProcess
 from engine.output_processor import RequestState
 from model.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from model.checkpoint import CheckpointError, read_checkpoint
+from model.checkpoint_info import CheckpointError, read_checkpoint
 
 log = logging.getLogger("app")
 

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.data}: no such file (tinyshakespeare; give --data)", file=sys.stderr)
         return 2
 
-    from model.checkpoint import read_config
+    from model.checkpoint_info import read_config
 
     ctx = args.ctx or read_config(args.checkpoint).block_size
     setup = setup_llama_server(args.peers_dir, args.jobs)

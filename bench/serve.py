@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_dir, args.checkpoint = random_gpt2()
     prompt_tokens = prompt_ids = None
     try:
-        from model.checkpoint import read_config
+        from model.checkpoint_info import read_config
         from model.tokenizer import load_tokenizer
 
         tok = load_tokenizer(json.loads((args.checkpoint / "tokenizer.json").read_text()), args.checkpoint)

@@ -141,7 +141,7 @@ def _as_loaded(checkpoint: str, dtype):
     (load_checkpoint then reports what is wrong with them, in its words)."""
     import torch
 
-    from model.checkpoint import WEIGHTS, read_config
+    from model.checkpoint_info import WEIGHTS, read_config
     from model.quantized_format import QUANTIZATION
 
     try:

@@ -21,7 +21,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from engine.core_loop import CoreLoop
 from engine.output_processor import OutputProcessor, RequestState
 from engine.params import SamplingParams
 from engine.request import EngineRequest, ErrorKind, StructuredSpec
@@ -243,6 +242,8 @@ class ThreadEngineClient(EngineClient):
         self._inbox.put((0, msg))
 
     async def start(self) -> None:
+        from engine.core_loop import CoreLoop  # here: a front whose core is another process never loads torch
+
         loop = asyncio.get_running_loop()
         self.core_loop = CoreLoop(self.core, _ThreadTransport(self._inbox, loop, self._on_message), **self._loop_args)
         self._send(Hello())

@@ -44,7 +44,7 @@ def serving_dtype(cfg, device, dtype, before_timing=None) -> tuple[Any, dict | N
     if cfg.dtype != "auto" or device.type != "cpu" or cfg.quantize != "none":
         return dtype, None
     from model import cpu_support
-    from model.checkpoint import read_config
+    from model.checkpoint_info import read_config
     from model.device import DTYPES
     from model.linear import ONEDNN_LINEAR, time_dtypes
 

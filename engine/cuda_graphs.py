@@ -26,8 +26,9 @@ from collections.abc import Callable
 
 import torch
 
+from model.config import ContextLengthError
 from model.gpt import GPT
-from model.kv_cache import ContextLengthError, KVCache
+from model.kv_cache import KVCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 CONTEXT_BUCKETS = tuple(256 << i for i in range(10))  # 256 .. 128K keys; the cache's max_len is always one

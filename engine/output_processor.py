@@ -18,9 +18,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from engine.generate import Sequence
 from engine.params import SamplingParams
 from engine.request import ErrorKind, PromptLogprobs, RequestOutput
+from engine.sequence import Sequence
 from engine.stopping import FinishReason
 from model.tokenizer import Tokenizer
 

@@ -3,7 +3,7 @@
 The same types travel in-process (the library's `generate`, the server's thread mode) and between processes
 (the server's core process encodes them with msgspec, `engine/wire.py`), as vLLM V1's `EngineCoreRequest` /
 `EngineCoreOutput` do. The core deals in token ids only: detokenizing and stop strings belong to whoever reads
-the outputs (`engine.generate.Sequence`), which aborts a request when its text hits a stop string.
+the outputs (`engine.sequence.Sequence`), which aborts a request when its text hits a stop string.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from enum import StrEnum
 
 from engine.params import SamplingParams
 from engine.stopping import FinishReason
-from model.kv_cache import ContextLengthError
+from model.config import ContextLengthError
 
 
 class ErrorKind(StrEnum):

@@ -42,11 +42,12 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.request import StructuredSpec
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("engine.structured_output")
 
@@ -63,7 +64,6 @@ def _llg():
     try:
         import llguidance
         import llguidance.tiktoken
-        import llguidance.torch
     except ImportError as e:  # pragma: no cover - a declared dependency
         raise GrammarError("structured output needs the llguidance package (pip install llguidance)") from e
     return llguidance
@@ -187,6 +187,8 @@ class Matchers:
 
     def __init__(self, grammars: Grammars, n_slots: int, device: torch.device | str = "cpu",
                  threads: int | None = None) -> None:
+        import torch  # here, not at the top: the HTTP front compiles grammars (Grammars) and loads no torch
+
         llg = _llg()
         self.grammars = grammars
         self.device = torch.device(device)
@@ -217,7 +219,7 @@ class Matchers:
 
     def fill(self, request_ids: list[str]) -> torch.Tensor:
         """The next-token masks of these requests, rows in this order, on the device (one copy)."""
-        lt = _llg().torch
+        import llguidance.torch as lt  # loads torch: the core's side only
         k = len(request_ids)
         host = self.host[:k]
         if k == 1 or self._executor is None:

@@ -9,7 +9,8 @@ Training state (optimizer, RNG, data position) may sit in the same directory as
 `training_state.pt`; loading for serving never reads it.
 
 Loading checks everything and raises `CheckpointError` naming the file and the
-problem, so a server refuses a bad checkpoint at start-up in one line.
+problem, so a server refuses a bad checkpoint at start-up in one line. Reading all but the weights, without torch:
+model/checkpoint_info.py.
 """
 
 from __future__ import annotations
@@ -28,20 +29,23 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from model.checkpoint_info import (
+    CONFIG,
+    METADATA,
+    TOKENIZER,
+    TRAINING_STATE,
+    WEIGHTS,
+    CheckpointError,
+    read_checkpoint,
+)
 from model.config import GPTConfig
 from model.gpt import GPT, sinusoidal_table
 from model.linear import FormatError, block_linears
 from model.quantized_format import check_quantized_state, install_quantized, quantized_keys, read_quantization
-from model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from model.tokenizer import Tokenizer
 
-CONFIG, WEIGHTS, TOKENIZER, METADATA = "config.json", "model.safetensors", "tokenizer.json", "metadata.json"
-TRAINING_STATE = "training_state.pt"
 TIED = "lm_head.weight"  # not stored: it is transformer.wte.weight
 FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message names the file and the reason."""
 
 
 @dataclass
@@ -51,46 +55,6 @@ class Checkpoint:
     tokenizer: Tokenizer
     config: GPTConfig
     metadata: dict[str, Any]
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing file")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
-
-
-def read_config(path: str | Path) -> GPTConfig:
-    file = Path(path) / CONFIG
-    try:
-        return GPTConfig.from_dict(_read_json(file))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{file}: {e}") from e
-
-
-def read_checkpoint(path: str | Path) -> tuple[GPTConfig, Tokenizer, dict[str, Any]]:
-    """A checkpoint's config, tokenizer and metadata, checked, without its weights (what a server's HTTP front
-    needs while another process loads the model)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory not found")
-    config = read_config(path)
-    metadata = _read_json(path / METADATA) if (path / METADATA).is_file() else {}
-
-    tok_file = path / TOKENIZER
-    try:
-        tokenizer = load_tokenizer(_read_json(tok_file), path)
-    except TokenizerError as e:
-        raise CheckpointError(f"{tok_file}: {e}") from e
-    if tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(f"{tok_file}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
-                              f"vocab_size is {config.vocab_size}")
-    return config, tokenizer, metadata
 
 
 def _finite(t: torch.Tensor) -> bool:

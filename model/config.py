@@ -11,6 +11,11 @@ Activation = Literal["gelu", "relu"]
 Position = Literal["learned", "sinusoidal"]
 
 
+class ContextLengthError(ValueError):
+    """A sequence would grow past the cache's (or the model's) context length. Here, beside block_size and free of
+    torch, because the HTTP front checks prompts against it (engine.request) and does not load torch."""
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int = 50257

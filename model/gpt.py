@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.config import GPTConfig
-from model.kv_cache import CacheStep, ContextLengthError, KVCache
+from model.config import ContextLengthError, GPTConfig
+from model.kv_cache import CacheStep, KVCache
 from model.linear import linear  # the matmul of every Linear: plain here, swapped formats for serving
 
 

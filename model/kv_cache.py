@@ -17,11 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from model import decode_attention, zero_pages
-from model.config import GPTConfig
-
-
-class ContextLengthError(ValueError):
-    """A sequence would grow past the cache's (or the model's) context length."""
+from model.config import ContextLengthError, GPTConfig
 
 
 def device_index(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -292,6 +293,37 @@ def test_python_m_app_serves_matches_model_sample_and_exits_0_on_sigterm(tiny_ck
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _parent(proc_dir: Path) -> int | None:
+    try:
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def test_the_http_front_never_loads_torch(tiny_ckpt):
+    """`python -m app`'s own process is the HTTP front: it reads the checkpoint's config and tokenizer, validates,
+    compiles grammars, detokenizes and streams, while the engine core's process holds torch. Loading torch there
+    too cost GPT-2's start 0.3 s on 2 cores (both imports at once) and ~200 MB a front (docs/performance.md)."""
+    proc, url = start_app_process(tiny_ckpt)
+    try:
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        r = httpx.post(url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "seed": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+        assert r.status_code == 200, r.text
+        with httpx.stream("POST", url + "/generate_stream", json={"inputs": "To be", "parameters": {
+                "max_new_tokens": 8, "stop": ["xyz"], "seed": 2, "do_sample": True}}) as s:
+            assert s.status_code == 200 and sum(1 for line in s.iter_lines() if line.startswith("data:")) >= 1
+        assert httpx.post(url + "/generate", json={"inputs": "to be " * 2000}).status_code == 422  # past the context
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "libtorch" not in maps, [m for m in maps.splitlines() if "libtorch" in m][:3]
+        children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == proc.pid]
+        assert any("libtorch" in Path(f"/proc/{c}/maps").read_text() for c in children)  # the check sees torch
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_second_sigterm_exits_at_once_with_status_0(tiny_ckpt, tmp_path):

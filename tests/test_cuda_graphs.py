@@ -15,7 +15,8 @@ from engine.cuda_graphs import GraphedDecode, context_buckets, eager_capture
 from engine.generate import decode_step, prefill
 from engine.params import SamplingParams
 from engine.request import EngineRequest
-from model.kv_cache import ContextLengthError, KVCache
+from model.config import ContextLengthError
+from model.kv_cache import KVCache
 from tests.helpers import tiny_model
 
 

@@ -7,9 +7,9 @@ import torch
 
 from engine.generate import decode_step, generate, prefill
 from engine.params import SamplingParams
-from model.config import GPTConfig
+from model.config import ContextLengthError, GPTConfig
 from model.gpt import GPT
-from model.kv_cache import ContextLengthError, KVCache
+from model.kv_cache import KVCache
 from tests.helpers import tiny_model
 
 VARIANTS = [

@@ -121,7 +121,7 @@ class _Chat:
         # process that ran the test suite, e.g. a CI runner), and then no Ctrl-C would reach the chat
         signal.signal(signal.SIGINT, signal.default_int_handler)
         import engine.sample as cli
-        from engine.generate import TokenEvent
+        from engine.sequence import TokenEvent
         real = cli.stream_generate
         def endless(*args, **kwargs):
             try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from model.task_head import item_error
+from model.task_items import item_error
 from training.shakespeare.tasks import build_tasks, main, speeches
 
 SPEAKERS = ["ANNE", "BEN", "CARL"]

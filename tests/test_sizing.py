@@ -110,7 +110,7 @@ def test_a_draft_models_kv_slot_is_part_of_every_slot():
 
 
 def test_start_up_counts_a_draft_models_weights_and_kv_slot():
-    from model.checkpoint import WEIGHTS, read_config
+    from model.checkpoint_info import WEIGHTS, read_config
     from model.gpt import GPT
 
     config = read_config(SHAKESPEARE)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.generate import Sequence
 from engine.params import SamplingParams
+from engine.sequence import Sequence
 from engine.stopping import FinishReason, StopMatcher
 from model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from tests.helpers import write_byte_ranks

@@ -36,7 +36,8 @@ from typing import Any
 
 from model.checkpoint import CheckpointError
 from model.gpt import GPT
-from model.task_head import KINDS, TaskError, TaskModel
+from model.task_head import TaskModel
+from model.task_items import KINDS, TaskError
 from model.tokenizer import TokenizerError
 from training.chat.data import ChatDataError
 from training.chat.finetune import CHAT, run_chat

@@ -15,7 +15,7 @@ from app.routes import ServiceDep, authorized
 from app.service import engine_error
 from engine.client import EngineError
 from engine.request import ErrorKind
-from model.task_head import item_error
+from model.task_items import item_error
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["Tasks"], dependencies=[Depends(json_only), Depends(authorized)])
 MAX_ITEMS = 64

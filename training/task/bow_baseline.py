@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from model.task_head import KINDS, item_parts
+from model.task_items import KINDS, item_parts
 from training.task.data import (
     TaskDataError,
     TaskFile,

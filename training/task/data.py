@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from model.task_head import encode_item, item_error
+from model.task_head import encode_item
+from model.task_items import item_error
 from model.tokenizer import Tokenizer
 from training.jsonl import parse_line
 

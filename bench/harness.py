@@ -138,23 +138,25 @@ class Server:
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def wait_ready(self, timeout: float = 300.0) -> float:
-        """Seconds from start to /health answering 200 (and /v1/models listing the model)."""
+        """Seconds from start to /health answering 200 (and /v1/models listing the model), polled every 20 ms over
+        one client (every 0.25 s with a new client each time, the figure came in steps of 0.25 s: bench.startup)."""
         import httpx
 
         deadline = self.started + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited with {self.proc.returncode} during start-up: {tail(self.log, 800)}")
-            try:
-                if (httpx.get(self.url + "/health", timeout=2).status_code == 200
-                        and httpx.get(self.url + "/v1/models", timeout=5).status_code == 200):
-                    ready = time.monotonic() - self.started
-                    if self.wait_compile:
-                        self.compile_wait_s = self.wait_compiled(deadline)
-                    return ready
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+        with httpx.Client() as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"exited with {self.proc.returncode} during start-up: {tail(self.log, 800)}")
+                try:
+                    if (client.get(self.url + "/health", timeout=2).status_code == 200
+                            and client.get(self.url + "/v1/models", timeout=5).status_code == 200):
+                        ready = time.monotonic() - self.started
+                        if self.wait_compile:
+                            self.compile_wait_s = self.wait_compiled(deadline)
+                        return ready
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.02)
         raise RuntimeError(f"not ready after {timeout:.0f} s: {tail(self.log, 800)}")
 
     def wait_compiled(self, deadline: float) -> float:

@@ -16,9 +16,11 @@ import sys
 import typing
 
 from app import __version__
-from app.config import Settings, SettingsError, load_settings
 from engine.build import CoreConfig, StartupError
 from engine.core_process import CoreProcess
+
+# app.config (pydantic, ~0.1 s) is imported inside the functions: the engine core's process, started first in main,
+# imports this module again (multiprocessing's spawn) before it can load torch
 
 log = logging.getLogger("app")
 
@@ -60,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     """One flag per `Settings` field, generated (a setting is declared once, in app/config.py): --name-with-dashes,
     help from the field's description, with its GPT_ variable and default. Every flag defaults to None, so an
     unset flag leaves the environment's value."""
+    from app.config import Settings
+
     p = argparse.ArgumentParser(prog="python -m app", description="Serve a GPT checkpoint over HTTP "
                                 "(TGI- and OpenAI-compatible). Flags override GPT_* environment variables.")
     for name, field in Settings.model_fields.items():
@@ -84,21 +88,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _settings(argv: list[str] | None):
+    """The settings from the flags over the environment; None after printing why they are invalid."""
+    from app.config import SettingsError, load_settings
+
     args = parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None}
     try:
-        settings = load_settings(**overrides)
+        return load_settings(**overrides)
     except SettingsError as e:
         print(f"error: {e}", file=sys.stderr)
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    # the engine core's process starts first and loads torch while this one parses its settings and imports the HTTP
+    # stack (app.serve, which loads no torch): side by side on a multi-core machine instead of one after the other
+    # (docs/performance.md, "Start-up"); it gets its settings once they are known, and is stopped unused otherwise
+    early = CoreProcess(None)
+    early.start()
+    try:
+        settings = _settings(argv)
+    except BaseException:  # a bad flag or setting, --help, --version
+        early.stop()
+        raise
+    if settings is None:
+        early.stop()
         return 2
-    # the engine core's process starts before this one imports the HTTP stack and torch (app.serve): the two load
-    # side by side on a multi-core machine instead of one after the other (GPT-2: -2.5 s to healthy on 2 cores,
-    # docs/performance.md, "Start-up"); app.config and engine.core_process do not import torch
     started = None
     if settings.engine != "thread":
-        started = CoreProcess(CoreConfig.from_settings(settings))
-        started.start()
+        started = early
+        started.configure(CoreConfig.from_settings(settings))
+    else:
+        early.stop()
     from app.serve import serve
     from app.service import start_engine
 

@@ -2,6 +2,7 @@
 
     core = CoreProcess(CoreConfig.from_settings(settings))
     core.start(); info = core.wait_loaded()     # a bad checkpoint: StartupError with one line
+    # or: CoreProcess(None).start() before the settings are known (torch loads meanwhile), then .configure(cfg)
     ... fronts connect ProcessEngineClient(core.address, ...) ...
     core.stop()
 
@@ -101,19 +102,34 @@ def kept_thread_choice(core, cfg, before_timing) -> dict:
     return {**choice, "kept": False}
 
 
-def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int, quiet=None) -> None:
+def run_core_process(cfg_dict: dict | None, address: str, conn, parent_pid: int, quiet=None,
+                     settings_conn=None) -> None:
     """The child's main: load, report to the parent through `conn`, then serve the fronts until told to stop.
-    `quiet` (an Event, optional): set by the parent once it has nothing else to do but wait for this process."""
+    `quiet` (an Event, optional): set by the parent once it has nothing else to do but wait for this process.
+    `cfg_dict` None: started before the parent knew its settings; torch loads while they come through
+    `settings_conn` (its end closed unsent: the parent will not serve, and this process exits 0)."""
     t0, imports = time.perf_counter(), process_age()
     set_openmp_waits()  # read when torch loads libgomp, so before that
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     malloc_tuned = keep_freed_memory()
+    waits: list[float] = []  # loading and converting the weights run beside the parent's imports, timings after them
+    settings_wait = 0.0
+    if cfg_dict is None:
+        import torch  # noqa: F401 - the longest import of the start, made while the parent parses its settings
+
+        t_wait = time.perf_counter()
+        try:
+            cfg_dict = settings_conn.recv()
+        except EOFError:
+            sys.exit(0)
+        finally:
+            settings_conn.close()
+        settings_wait = time.perf_counter() - t_wait
     cfg = CoreConfig(**cfg_dict)
     measure_threads = not cfg.torch_threads
     cfg.torch_threads = core_threads(cfg)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s:     [core] %(message)s")
-    waits: list[float] = []  # loading and converting the weights run beside the parent's imports, timings after them
 
     def before_timing() -> None:
         if not waits:
@@ -131,7 +147,8 @@ def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int, quiet=
         info["torch_threads"] = info["thread_choice"]["threads"]
     # where this process's start went (/info `startup_seconds`; the warm-up after it: stats' `warmup_seconds`)
     times = {"imports": None if imports is None else round(imports, 2), "load": info["load_seconds"],
-             "front_wait": round(sum(waits), 2), "engine": round(built - t0 - info["load_seconds"] - in_build, 2),
+             "front_wait": round(settings_wait + sum(waits), 2),
+             "engine": round(built - t0 - info["load_seconds"] - in_build - settings_wait, 2),
              "threads": round(time.perf_counter() - built - (sum(waits) - in_build), 2)}
     info["startup_seconds"] = times
     log.info("loaded: %s", ", ".join(f"{k} {v} s" for k, v in times.items() if v is not None))
@@ -164,17 +181,21 @@ def run_core_process(cfg_dict: dict, address: str, conn, parent_pid: int, quiet=
 class CoreProcess:
     """The parent's handle on the core process: start it, wait until the model is loaded, stop it."""
 
-    def __init__(self, cfg: CoreConfig) -> None:
+    def __init__(self, cfg: CoreConfig | None) -> None:
+        """`cfg` None: a process started before the settings are known, which loads torch meanwhile; `configure`
+        sends them (`python -m app`: GPT-2's start 0.1-0.2 s sooner, docs/performance.md), `stop` ends it unused."""
         self.cfg = cfg
         self.dir = Path(tempfile.mkdtemp(prefix="gpt-core-"))
         self.address = f"ipc://{self.dir / 'engine.sock'}"
         ctx = mp.get_context("spawn")  # never fork a process that holds threads (uvicorn's, torch's) or CUDA
         self._conn, child = ctx.Pipe(duplex=False)
+        child_settings, self._settings = ctx.Pipe(duplex=False) if cfg is None else (None, None)
         self._quiet = ctx.Event()  # set in wait_loaded: this process has finished its own start (run_core_process)
         self.proc = ctx.Process(target=run_core_process,
-                                args=(asdict(cfg), self.address, child, os.getpid(), self._quiet),
+                                args=(None if cfg is None else asdict(cfg), self.address, child, os.getpid(),
+                                      self._quiet, child_settings),
                                 name="gpt-engine-core", daemon=False)
-        self._child_conn = child
+        self._child_ends = [c for c in (child, child_settings) if c is not None]
         self.info: dict[str, Any] | None = None
 
     @property
@@ -183,7 +204,15 @@ class CoreProcess:
 
     def start(self) -> None:
         self.proc.start()
-        self._child_conn.close()
+        for c in self._child_ends:
+            c.close()
+
+    def configure(self, cfg: CoreConfig) -> None:
+        """The settings of a process started without them."""
+        assert self.cfg is None and self._settings is not None, "configured already"
+        self.cfg = cfg
+        self._settings.send(asdict(cfg))
+        self._settings.close()
 
     def wait_loaded(self, timeout: float | None = None) -> dict[str, Any]:
         """Block until the model is loaded and the core built: its info; StartupError with the child's line."""
@@ -226,6 +255,8 @@ class CoreProcess:
 
     def cleanup(self) -> None:
         self._conn.close()
+        if self._settings is not None:
+            self._settings.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def abandon(self) -> None:

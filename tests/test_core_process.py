@@ -407,3 +407,48 @@ def test_the_thread_choice_is_kept_per_machine_model_and_format(tiny_ckpt, tmp_p
         assert cp.kept_thread_choice(core, cfg, lambda: None)["kept"] is False and len(timed) == 4
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_core_started_before_its_settings_loads_once_they_come(tiny_ckpt):
+    """`python -m app` starts the core's process before it parses its settings (torch loads meanwhile); the
+    settings follow through a pipe, and the process loads and serves as one started with them."""
+    from app.config import load_settings
+    from engine.core_process import CoreProcess
+
+    core = CoreProcess(None)
+    core.start()
+    try:
+        core.configure(CoreConfig.from_settings(load_settings(checkpoint=str(tiny_ckpt), device="cpu",
+                                                              torch_threads=1)))
+        info = core.wait_loaded(60)
+        assert info["n_params"] > 0 and info["startup_seconds"]["front_wait"] >= 0
+    finally:
+        assert core.stop() == 0
+    assert not core.dir.exists()
+
+
+@pytest.mark.parametrize("argv", [["--max-batch-size", "zero"], ["--help"], ["--dtype", "fp64"]])
+def test_a_start_that_ends_before_its_settings_leaves_no_core_behind(argv, tmp_path, monkeypatch, capsys):
+    """A bad flag or setting, or --help: the core started first is stopped, its socket folder removed."""
+    import app.__main__ as cli
+    from engine.core_process import CoreProcess
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    made: list[CoreProcess] = []
+    real = CoreProcess.__init__
+
+    def spy(self, cfg):
+        real(self, cfg)
+        made.append(self)
+
+    monkeypatch.setattr(CoreProcess, "__init__", spy)
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code != 0 or argv == ["--help"]
+    assert len(made) == 1 and not made[0].proc.is_alive() and made[0].proc.exitcode is not None
+    assert core_dirs(tmp_path) == []

@@ -24,6 +24,7 @@ import torch
 
 from engine import compiled_attention
 from engine.cache_pages import ResidentFill
+from engine.compile_cache import CachePrune, mark_in_use
 from engine.compile_gate import check_compile_memory, time_one_row
 from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
 from engine.compiled_decode import one_line
@@ -105,6 +106,8 @@ class ModelRunner:
         self.compile_cache = compile_cache  # the compiled steps' folder (None: engine.compiled_decode's default)
         self._compiled = None  # the compiled decode steps in use (engine.compiled_decode), once checked
         self._compiling = None  # ... while their compile runs in the background
+        self.cache_lock: int | None = None  # the compile cache folder of the steps held in use (engine.compile_cache)
+        self.pruning: CachePrune | None = None  # the cache's stale folders being removed
         if self.converts:
             # the packed layers keep their plain weight until `tune` has copied the ones it gives MKL (no unpacking
             # through a GEMM), and when compiling for good: the graph reads them (eager keeps its kernels)
@@ -355,6 +358,10 @@ class ModelRunner:
         one-row step times faster: engine.compile_gate); else one log line."""
         compiled, self._compiling = self._compiling, None
         self.compile_seconds, self.compile_source = compiled.seconds, compiled.source
+        if compiled.error is None and compiled.folder is not None:  # its packages exist (kept below or not): the
+            # folder is held in use, and older keys of the same weights removed in the background
+            self.cache_lock = mark_in_use(compiled.folder)
+            self.pruning = CachePrune(compiled.cache_dir, compiled.folder).start()
         drop_plain(self.model)  # the compile has read the plain weights (or failed): eager steps never do
         release_freed_memory()  # those, and what the compile freed (GPT-2's: 8.7 GB resident after it), kept by
         # engine.heap.keep_freed_memory's heap

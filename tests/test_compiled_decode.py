@@ -369,6 +369,28 @@ def test_the_key_reads_the_traced_code_not_its_comments_or_docstrings():
     assert cd.code_digest('class A:\n    """Doc."""\n') == cd.code_digest("class A:\n    pass\n")
 
 
+def test_installed_steps_hold_their_folder_and_prune_the_cache_s_stale_ones(monkeypatch, compile_cache):
+    """engine.compile_cache at install: the folder serving is held in use; a folder nobody used for a month goes,
+    in the background."""
+    import os
+    import time
+
+    from engine.compile_cache import MAX_IDLE_DAYS, USED, _in_use
+
+    stale = compile_cache / "0123456789abcdef01234567"
+    stale.mkdir(parents=True)
+    (stale / USED).touch()
+    old = time.time() - (MAX_IDLE_DAYS + 1) * 86400
+    os.utime(stale / USED, (old, old))
+    stand_in_compiler(monkeypatch, [])
+    core = make_core("on")
+    assert core.stats()["compiled_decode"]
+    assert core.runner.pruning.wait(30) and core.runner.pruning.result == [stale] and not stale.exists()
+    assert _in_use(core._compiled.folder)
+    os.close(core.runner.cache_lock)
+    assert not _in_use(core._compiled.folder)
+
+
 def test_an_unwritable_compile_cache_compiles_for_the_process_with_one_log_line(monkeypatch, caplog, tmp_path):
     stand_in_compiler(monkeypatch, [])
     blocked = tmp_path / "a-file"

@@ -1,0 +1,130 @@
+"""The compile cache's housekeeping: engine.compiled_decode writes one folder of packages per key (the weights, the
+traced code, torch, the CPU, the threads), and nothing removed the folders no key names any more. An upgrade of
+this code or of torch, or another thread count, left the old folder behind: GPT-2 124M's is 0.68 GB.
+
+A server that installs its compiled steps marks their folder in use (`mark_in_use`: a shared `flock` on its USED
+file, held while it serves, and the file touched), then `prune` removes, at idle priority (`CachePrune`), every
+other key folder that no live process holds and that either holds the same model (its largest weight file, the
+embedding, is the same file: an older key of these weights) or was not used for `MAX_IDLE_DAYS`, and the scratch
+folders of compiles that died (`inductor-*`, `tmp*`) older than a day. A folder without a USED file (written before
+this) counts as used when it was last modified.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from engine.compiled_decode import WEIGHTS
+from engine.idle_job import IdleJob
+
+log = logging.getLogger("engine.compile_cache")
+
+USED = ".used"
+MAX_IDLE_DAYS = 30
+SCRATCH_MAX_AGE_S = 24 * 3600
+SCRATCH_PREFIXES = ("inductor-", "tmp")  # compiled_decode's scratch inductor cache and temporary package folders
+
+
+def mark_in_use(folder: Path) -> int | None:
+    """Hold a shared lock on `folder`'s USED file and touch it; the file descriptor (keep it open while the folder's
+    steps serve: a `prune` in another process then leaves the folder alone), or None where it cannot be made."""
+    try:
+        fd = os.open(folder / USED, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.utime(fd)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _in_use(folder: Path) -> bool:
+    """Whether a live process holds `folder` (its shared lock); False for a folder without a USED file."""
+    try:
+        fd = os.open(folder / USED, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # unreadable: leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # releases the probe's lock
+
+
+def _last_used(folder: Path) -> float:
+    try:
+        return (folder / USED).stat().st_mtime
+    except OSError:
+        return folder.stat().st_mtime
+
+
+def _largest_weight(folder: Path) -> str | None:
+    """The name (a digest of its bytes) of the folder's largest shared constant: the embedding, for a GPT."""
+    try:
+        files = [(f.stat().st_size, f.name) for f in (folder / WEIGHTS).iterdir()]
+    except OSError:
+        return None
+    return max(files)[1] if files else None
+
+
+def stale_folders(cache_dir: Path, current: Path, now: float | None = None) -> list[Path]:
+    """The folders of `cache_dir` that `prune` removes, given that `current` serves."""
+    now = time.time() if now is None else now
+    model = _largest_weight(current)
+    out = []
+    for folder in sorted(p for p in cache_dir.iterdir() if p.is_dir() and p != current):
+        try:
+            if folder.name.startswith(SCRATCH_PREFIXES):
+                if now - folder.stat().st_mtime > SCRATCH_MAX_AGE_S:
+                    out.append(folder)
+                continue
+            if _in_use(folder):
+                continue
+            same_model = model is not None and _largest_weight(folder) == model
+            if same_model or now - _last_used(folder) > MAX_IDLE_DAYS * 86400:
+                out.append(folder)
+        except OSError:  # removed meanwhile by another server's prune
+            continue
+    return out
+
+
+def prune(cache_dir: Path, current: Path) -> list[Path]:
+    """Remove `stale_folders`; the folders removed."""
+    gone = []
+    for folder in stale_folders(cache_dir, current):
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            gone.append(folder)
+    return gone
+
+
+class CachePrune(IdleJob):
+    """`prune` in a background thread at idle priority: a step boundary never waits for the removal of a folder."""
+
+    name = "compile-cache-prune"
+
+    def __init__(self, cache_dir: Path, current: Path) -> None:
+        super().__init__()
+        self.cache_dir, self.current = cache_dir, current
+
+    def work(self) -> list[Path]:
+        gone = prune(self.cache_dir, self.current)
+        if gone:
+            log.info("compile cache: removed %d stale folder(s) of %s (%s)", len(gone), self.cache_dir,
+                     ", ".join(p.name for p in gone))
+        return gone
+
+    def failed(self) -> None:
+        log.warning("compile cache: pruning %s failed (%s)", self.cache_dir, self.error)

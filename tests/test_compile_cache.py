@@ -1,0 +1,70 @@
+"""The compile cache's housekeeping (engine/compile_cache.py): a served folder is held in use, and the folders of
+older keys of the same weights, long-unused folders and dead compiles' scratch folders are removed."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from engine.compile_cache import MAX_IDLE_DAYS, USED, _in_use, mark_in_use, prune, stale_folders
+from engine.compiled_decode import WEIGHTS
+
+
+def key_folder(cache: Path, name: str, weights: dict[str, int], age_days: float = 0.0) -> Path:
+    """A key folder with shared constants `weights` (digest name → size in bytes), last used `age_days` ago."""
+    folder = cache / name
+    (folder / WEIGHTS).mkdir(parents=True)
+    for digest, size in weights.items():
+        (folder / WEIGHTS / digest).write_bytes(b"\0" * size)
+    (folder / "b1-c64-logits.so").write_bytes(b"package")
+    (folder / USED).touch()
+    when = time.time() - age_days * 86400
+    os.utime(folder / USED, (when, when))
+    return folder
+
+
+def test_older_keys_of_the_same_weights_and_long_unused_folders_go_the_rest_stay(tmp_path):
+    cache = tmp_path / "compiled"
+    current = key_folder(cache, "current", {"emb": 4096, "ln-ones": 64})
+    older_same = key_folder(cache, "older-same", {"emb": 4096, "ln-ones": 64}, age_days=0.5)  # an upgrade's leftover
+    other = key_folder(cache, "other-model", {"emb2": 8192, "ln-ones": 64}, age_days=3)  # shares only a small one
+    ancient = key_folder(cache, "ancient", {"emb3": 4096}, age_days=MAX_IDLE_DAYS + 1)
+    held = key_folder(cache, "held-same", {"emb": 4096}, age_days=2)  # another live server's, same weights
+    fd = mark_in_use(held)
+    old_scratch, new_scratch = cache / "inductor-abc", cache / "tmpxyz"
+    old_scratch.mkdir()
+    new_scratch.mkdir()
+    os.utime(old_scratch, (time.time() - 2 * 86400,) * 2)
+    (cache / "kernels.json").write_text("{}")  # files are not folders of keys
+    try:
+        assert _in_use(held) and not _in_use(older_same)
+        assert stale_folders(cache, current) == [ancient, old_scratch, older_same]
+        assert prune(cache, current) == [ancient, old_scratch, older_same]
+        assert sorted(p.name for p in cache.iterdir()) == ["current", "held-same", "kernels.json", "other-model",
+                                                           "tmpxyz"]
+        assert other.is_dir() and new_scratch.is_dir()
+    finally:
+        os.close(fd)
+    assert not _in_use(held)  # the lock went with its holder: the next prune may take it
+    assert stale_folders(cache, current) == [held]
+
+
+def test_a_folder_from_before_the_used_file_counts_as_used_when_last_modified(tmp_path):
+    cache = tmp_path / "compiled"
+    current = key_folder(cache, "current", {"emb": 16})
+    legacy = key_folder(cache, "legacy", {"other": 16})
+    (legacy / USED).unlink()
+    assert stale_folders(cache, current) == []
+    os.utime(legacy, (time.time() - (MAX_IDLE_DAYS + 1) * 86400,) * 2)
+    assert stale_folders(cache, current) == [legacy]
+
+
+def test_marking_a_folder_touches_its_used_file(tmp_path):
+    folder = key_folder(tmp_path, "k", {"emb": 16}, age_days=10)
+    fd = mark_in_use(folder)
+    try:
+        assert fd is not None and time.time() - (folder / USED).stat().st_mtime < 60
+    finally:
+        os.close(fd)
+    assert mark_in_use(tmp_path / "missing") is None  # a folder that is not there: nothing held, no error

@@ -5,9 +5,9 @@ this code or of torch, or another thread count, left the old folder behind: GPT-
 A server that installs its compiled steps marks their folder in use (`mark_in_use`: a shared `flock` on its USED
 file, held while it serves, and the file touched), then `prune` removes, at idle priority (`CachePrune`), every
 other key folder that no live process holds and that either holds the same model (its largest weight file, the
-embedding, is the same file: an older key of these weights) or was not used for `MAX_IDLE_DAYS`, and the scratch
-folders of compiles that died (`inductor-*`, `tmp*`) older than a day. A folder without a USED file (written before
-this) counts as used when it was last modified.
+embedding, is the same file: an older key of these weights) and was not used for an hour, or was not used for
+`MAX_IDLE_DAYS`; and the scratch folders of compiles that died (`inductor-*`, `tmp*`) older than a day. A folder
+without a USED file (written before this) counts as used when it was last modified.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ log = logging.getLogger("engine.compile_cache")
 USED = ".used"
 MAX_IDLE_DAYS = 30
 SCRATCH_MAX_AGE_S = 24 * 3600
+# an older key of the same weights goes only once unused this long: another server's compile of them (another
+# thread count) may have just written its folder and not yet installed (held) it
+SAME_MODEL_GRACE_S = 3600
 SCRATCH_PREFIXES = ("inductor-", "tmp")  # compiled_decode's scratch inductor cache and temporary package folders
 
 
@@ -92,8 +95,9 @@ def stale_folders(cache_dir: Path, current: Path, now: float | None = None) -> l
                 continue
             if _in_use(folder):
                 continue
+            idle = now - _last_used(folder)
             same_model = model is not None and _largest_weight(folder) == model
-            if same_model or now - _last_used(folder) > MAX_IDLE_DAYS * 86400:
+            if (same_model and idle > SAME_MODEL_GRACE_S) or idle > MAX_IDLE_DAYS * 86400:
                 out.append(folder)
         except OSError:  # removed meanwhile by another server's prune
             continue

@@ -37,17 +37,18 @@ def test_older_keys_of_the_same_weights_and_long_unused_folders_go_the_rest_stay
     new_scratch.mkdir()
     os.utime(old_scratch, (time.time() - 2 * 86400,) * 2)
     (cache / "kernels.json").write_text("{}")  # files are not folders of keys
+    fresh = key_folder(cache, "fresh-same", {"emb": 4096}, age_days=0.01)  # another server's compile, just written
     try:
         assert _in_use(held) and not _in_use(older_same)
         assert stale_folders(cache, current) == [ancient, old_scratch, older_same]
         assert prune(cache, current) == [ancient, old_scratch, older_same]
-        assert sorted(p.name for p in cache.iterdir()) == ["current", "held-same", "kernels.json", "other-model",
-                                                           "tmpxyz"]
-        assert other.is_dir() and new_scratch.is_dir()
+        assert sorted(p.name for p in cache.iterdir()) == ["current", "fresh-same", "held-same", "kernels.json",
+                                                           "other-model", "tmpxyz"]
+        assert other.is_dir() and new_scratch.is_dir() and fresh.is_dir()
     finally:
         os.close(fd)
     assert not _in_use(held)  # the lock went with its holder: the next prune may take it
-    assert stale_folders(cache, current) == [held]
+    assert stale_folders(cache, current) == [held]  # (fresh-same: not yet an hour unused)
 
 
 def test_a_folder_from_before_the_used_file_counts_as_used_when_last_modified(tmp_path):

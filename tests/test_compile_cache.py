@@ -47,8 +47,11 @@ def test_older_keys_of_the_same_weights_and_long_unused_folders_go_the_rest_stay
         assert other.is_dir() and new_scratch.is_dir() and fresh.is_dir()
     finally:
         os.close(fd)
-    assert not _in_use(held)  # the lock went with its holder: the next prune may take it
-    assert stale_folders(cache, current) == [held]  # (fresh-same: not yet an hour unused)
+    assert not _in_use(held)  # the lock went with its holder: a prune takes it once an hour unused
+    assert stale_folders(cache, current) == []  # (held-same was just touched, fresh-same just written)
+    two_hours_ago = time.time() - 2 * 3600
+    os.utime(held / USED, (two_hours_ago, two_hours_ago))
+    assert stale_folders(cache, current) == [held]
 
 
 def test_a_folder_from_before_the_used_file_counts_as_used_when_last_modified(tmp_path):

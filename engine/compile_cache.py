@@ -6,8 +6,9 @@ A server that installs its compiled steps marks their folder in use (`mark_in_us
 file, held while it serves, and the file touched), then `prune` removes, at idle priority (`CachePrune`), every
 other key folder that no live process holds and that either holds the same model (its largest weight file, the
 embedding, is the same file: an older key of these weights) and was not used for an hour, or was not used for
-`MAX_IDLE_DAYS`; and the scratch folders of compiles that died (`inductor-*`, `tmp*`) older than a day. A folder
-without a USED file (written before this) counts as used when it was last modified.
+`MAX_IDLE_DAYS`; and the scratch folders of compiles that died (`inductor-*`, `tmp*` holding weights) older than a
+day. A folder without a USED file (written before this) counts as used when it was last modified. Nothing else in
+the folder is touched (`GPT_COMPILE_CACHE` may name one that holds other things).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
 
-from engine.compiled_decode import WEIGHTS
+from engine.compiled_decode import MANIFEST, WEIGHTS
 from engine.idle_job import IdleJob
 
 log = logging.getLogger("engine.compile_cache")
@@ -30,7 +32,10 @@ SCRATCH_MAX_AGE_S = 24 * 3600
 # an older key of the same weights goes only once unused this long: another server's compile of them (another
 # thread count) may have just written its folder and not yet installed (held) it
 SAME_MODEL_GRACE_S = 3600
-SCRATCH_PREFIXES = ("inductor-", "tmp")  # compiled_decode's scratch inductor cache and temporary package folders
+# only folders this code makes are ever removed (GPT_COMPILE_CACHE may name a folder holding other things): a key's
+# (CompiledDecode.key: 24 hex digits, with its MANIFEST) and a compile's scratch ones (its inductor cache, and the
+# temporary folder its packages are built in, with their WEIGHTS)
+KEY_NAME = re.compile(r"[0-9a-f]{24}")
 
 
 def mark_in_use(folder: Path) -> int | None:
@@ -82,6 +87,14 @@ def _largest_weight(folder: Path) -> str | None:
     return max(files)[1] if files else None
 
 
+def _scratch(folder: Path) -> bool:
+    return folder.name.startswith("inductor-") or (folder.name.startswith("tmp") and (folder / WEIGHTS).is_dir())
+
+
+def _key(folder: Path) -> bool:
+    return KEY_NAME.fullmatch(folder.name) is not None and (folder / MANIFEST).is_file()
+
+
 def stale_folders(cache_dir: Path, current: Path, now: float | None = None) -> list[Path]:
     """The folders of `cache_dir` that `prune` removes, given that `current` serves."""
     now = time.time() if now is None else now
@@ -89,11 +102,11 @@ def stale_folders(cache_dir: Path, current: Path, now: float | None = None) -> l
     out = []
     for folder in sorted(p for p in cache_dir.iterdir() if p.is_dir() and p != current):
         try:
-            if folder.name.startswith(SCRATCH_PREFIXES):
+            if _scratch(folder):
                 if now - folder.stat().st_mtime > SCRATCH_MAX_AGE_S:
                     out.append(folder)
                 continue
-            if _in_use(folder):
+            if not _key(folder) or _in_use(folder):
                 continue
             idle = now - _last_used(folder)
             same_model = model is not None and _largest_weight(folder) == model

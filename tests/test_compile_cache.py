@@ -1,26 +1,34 @@
 """The compile cache's housekeeping (engine/compile_cache.py): a served folder is held in use, and the folders of
-older keys of the same weights, long-unused folders and dead compiles' scratch folders are removed."""
+older keys of the same weights, long-unused folders and dead compiles' scratch folders are removed; nothing it did
+not make."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from pathlib import Path
 
 from engine.compile_cache import MAX_IDLE_DAYS, USED, _in_use, mark_in_use, prune, stale_folders
-from engine.compiled_decode import WEIGHTS
+from engine.compiled_decode import MANIFEST, WEIGHTS
 
 
-def key_folder(cache: Path, name: str, weights: dict[str, int], age_days: float = 0.0) -> Path:
-    """A key folder with shared constants `weights` (digest name → size in bytes), last used `age_days` ago."""
-    folder = cache / name
+def ago(path: Path, seconds: float) -> None:
+    when = time.time() - seconds
+    os.utime(path, (when, when))
+
+
+def key_folder(cache: Path, label: str, weights: dict[str, int], age_days: float = 0.0) -> Path:
+    """A key folder as CompiledDecode writes one (24 hex digits, a manifest, shared constants `weights`: digest name
+    → size in bytes), last used `age_days` ago."""
+    folder = cache / hashlib.sha256(label.encode()).hexdigest()[:24]
     (folder / WEIGHTS).mkdir(parents=True)
     for digest, size in weights.items():
         (folder / WEIGHTS / digest).write_bytes(b"\0" * size)
     (folder / "b1-c64-logits.so").write_bytes(b"package")
+    (folder / MANIFEST).write_text("{}")
     (folder / USED).touch()
-    when = time.time() - age_days * 86400
-    os.utime(folder / USED, (when, when))
+    ago(folder / USED, age_days * 86400)
     return folder
 
 
@@ -31,26 +39,33 @@ def test_older_keys_of_the_same_weights_and_long_unused_folders_go_the_rest_stay
     other = key_folder(cache, "other-model", {"emb2": 8192, "ln-ones": 64}, age_days=3)  # shares only a small one
     ancient = key_folder(cache, "ancient", {"emb3": 4096}, age_days=MAX_IDLE_DAYS + 1)
     held = key_folder(cache, "held-same", {"emb": 4096}, age_days=2)  # another live server's, same weights
-    fd = mark_in_use(held)
-    old_scratch, new_scratch = cache / "inductor-abc", cache / "tmpxyz"
-    old_scratch.mkdir()
-    new_scratch.mkdir()
-    os.utime(old_scratch, (time.time() - 2 * 86400,) * 2)
-    (cache / "kernels.json").write_text("{}")  # files are not folders of keys
     fresh = key_folder(cache, "fresh-same", {"emb": 4096}, age_days=0.01)  # another server's compile, just written
+    fd = mark_in_use(held)
+    old_scratch, new_scratch, old_build = cache / "inductor-abc", cache / "tmpxyz", cache / "tmpold"
+    for d in (old_scratch, new_scratch, old_build / WEIGHTS):
+        d.mkdir(parents=True)
+    ago(old_scratch, 2 * 86400)
+    ago(old_build, 2 * 86400)
+    (cache / "kernels.json").write_text("{}")  # files are not folders of keys
+    # not made by this code, however old: a folder of the user's, a temporary folder without weights, a folder named
+    # like a key without a manifest
+    foreign = [cache / "photos", cache / "tmp-other", cache / ("0" * 24)]
+    for d in foreign:
+        d.mkdir()
+        ago(d, (MAX_IDLE_DAYS + 5) * 86400)
     try:
         assert _in_use(held) and not _in_use(older_same)
-        assert stale_folders(cache, current) == [ancient, old_scratch, older_same]
-        assert prune(cache, current) == [ancient, old_scratch, older_same]
-        assert sorted(p.name for p in cache.iterdir()) == ["current", "fresh-same", "held-same", "kernels.json",
-                                                           "other-model", "tmpxyz"]
-        assert other.is_dir() and new_scratch.is_dir() and fresh.is_dir()
+        stale = {ancient, old_scratch, old_build, older_same}
+        assert set(stale_folders(cache, current)) == stale
+        assert set(prune(cache, current)) == stale
+        assert not any(p.exists() for p in stale)
+        assert all(p.is_dir() for p in [current, other, held, fresh, new_scratch, *foreign])
+        assert (cache / "kernels.json").is_file()
     finally:
         os.close(fd)
     assert not _in_use(held)  # the lock went with its holder: a prune takes it once an hour unused
-    assert stale_folders(cache, current) == []  # (held-same was just touched, fresh-same just written)
-    two_hours_ago = time.time() - 2 * 3600
-    os.utime(held / USED, (two_hours_ago, two_hours_ago))
+    assert stale_folders(cache, current) == []  # (held was just touched, fresh just written)
+    ago(held / USED, 2 * 3600)
     assert stale_folders(cache, current) == [held]
 
 
@@ -60,7 +75,7 @@ def test_a_folder_from_before_the_used_file_counts_as_used_when_last_modified(tm
     legacy = key_folder(cache, "legacy", {"other": 16})
     (legacy / USED).unlink()
     assert stale_folders(cache, current) == []
-    os.utime(legacy, (time.time() - (MAX_IDLE_DAYS + 1) * 86400,) * 2)
+    ago(legacy, (MAX_IDLE_DAYS + 1) * 86400)
     assert stale_folders(cache, current) == [legacy]
 
 

@@ -376,9 +376,11 @@ def test_installed_steps_hold_their_folder_and_prune_the_cache_s_stale_ones(monk
     import time
 
     from engine.compile_cache import MAX_IDLE_DAYS, USED, _in_use
+    from engine.compiled_decode import MANIFEST
 
-    stale = compile_cache / "0123456789abcdef01234567"
+    stale = compile_cache / "0123456789abcdef01234567"  # a key folder nobody used for a month
     stale.mkdir(parents=True)
+    (stale / MANIFEST).write_text("{}")
     (stale / USED).touch()
     old = time.time() - (MAX_IDLE_DAYS + 1) * 86400
     os.utime(stale / USED, (old, old))

@@ -60,19 +60,21 @@ from model import cpu_support
 from model.cpu_support import cpu_flags
 from model.gpt import GPT
 from model.kv_cache import KVCache
-from model.linear import Int4Linear, Int8Embedding, Int8Linear, PackedLinear
+from model.linear import Int4Linear, Int8Embedding, Int8Linear, Int8Traced, PackedLinear
+
+QUANTIZED = (Int8Linear, Int8Traced, Int4Linear, Int8Embedding)  # served, and their twins (Int4Traced: an Int4Linear)
 
 log = logging.getLogger(__name__)
 
 MODES = ("off", "on", "auto")
-# auto compiles fp32 weights of any size where the compile fits in memory, and keeps the steps only where they beat
-# the eager step when installed (engine.compile_gate: GPT-2 124M 1.2-1.3x on an AVX-512 host at 2 threads, no gain
-# on an AVX2 one at 1 thread); over a 16-bit KV cache only small models (GPT-2 124M's step over a bf16 cache failed
-# the install check, its compile peaking at 13.5 GB resident); quantized weights only in models whose blocks hold at
-# most this many parameters (the bundled model's 3.2M): int8 / int4 GPT-2 124M decodes one stream 2.1x /
-# 1.6x faster compiled, but on request only: a compiled int8 matmul returns fbgemm's bits, but the step's layer
-# norms, GELU and attention differ from eager ATen's by ulps, and an activation near a rounding tie then rounds the
-# other way: seeded GPT-2 streams can leave the eager tokens after 11-24 of 128 tokens: docs/performance.md
+# auto compiles fp32 and quantized weights of any size where the compile fits in memory, and keeps the steps only
+# where they beat the eager step when installed (engine.compile_gate: GPT-2 124M 1.2-1.3x on an AVX-512 host at 2
+# threads, no gain on an AVX2 one at 1 thread). A quantized step computes eager's bits (`Step.exact`: its int8
+# matmuls fbgemm's, its layer norms, GELU and attention eager's own kernels), so its seeded streams keep the eager
+# tokens (before: GPT-2 int8 left them after 11-24 of 128). fp32 weights over a 16-bit KV cache only in models whose
+# blocks hold at most this many parameters (the bundled model's 3.2M): GPT-2 124M's step over a bf16 cache failed
+# the install check (inductor's GEMMs' ulps moving a key across a bf16 rounding), its compile peaking at 13.5 GB
+# resident (docs/performance.md)
 AUTO_MAX_BLOCK_PARAMS = 16_000_000
 # inductor's options for the CPU step (torch/_inductor/config.py): weights as constants (freezing: packed once),
 # max_autotune choosing between aten's GEMM and inductor's C++ micro-kernel per shape
@@ -136,8 +138,8 @@ def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype
                  kv_dtype: torch.dtype | None = None) -> str:
     """on / off for this model: only a CPU's decode step is compiled (CUDA has its graphs): fp32 / bf16, int4, and
     int8 where fbgemm serves it eagerly (the rounding its compiled twin reproduces: model.linear.Int8Traced); auto
-    also needs fp32, and quantized weights or a 16-bit KV cache (`kv_dtype`; default: `dtype`) a small model
-    (AUTO_MAX_BLOCK_PARAMS, counted as loaded)."""
+    also needs fp32 (or quantized) weights, and fp32 weights over a 16-bit KV cache (`kv_dtype`; default: `dtype`)
+    a small model (AUTO_MAX_BLOCK_PARAMS, counted as loaded)."""
     if mode not in MODES:
         raise ValueError(f"compile must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off" or device.type != "cpu":
@@ -147,7 +149,7 @@ def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype
     if mode == "auto":
         if dtype != torch.float32:
             return "off"
-        if quantize == "none" and (kv_dtype or dtype).itemsize == 4:
+        if quantize != "none" or (kv_dtype or dtype).itemsize == 4:
             return "on"
         block_params = sum(p.numel() for p in GPT.skeleton(model.config).transformer.h.parameters())
         return "on" if block_params <= AUTO_MAX_BLOCK_PARAMS else "off"
@@ -178,12 +180,15 @@ class Step(nn.Module):
         super().__init__()
         self.model, self.max_len, self.kv_len, self.kind, self.vocab, self.block = model, max_len, kv_len, kind, \
             vocab, block
+        # quantized weights: the step computes what eager ATen does around its matmuls (attention, layer norms,
+        # GELU), so that its activations round as the eager step's (`_eager_norms`, model.kv_cache.attend_as_eager)
+        self.exact = any(isinstance(m, QUANTIZED) for m in model.modules())
         self.register_buffer("arange", torch.arange(max_len), persistent=False)
 
     def forward(self, tokens, lengths_t, inv_temp, top_k, top_p, seed_key, length, prompt_len, *kv):
         n = len(kv) // 2
         slots = _SlotsView(list(kv[:n]), list(kv[n:]), lengths_t, self.arange, self.max_len)
-        logits = self.model.decode_static(tokens, slots, self.kv_len)
+        logits = self.model.decode_static(tokens, slots, self.kv_len, self.exact)
         if self.kind is None:
             return logits
         return plain_draw(logits, self.vocab, self.block, self.kind, inv_temp, top_k, top_p, seed_key,
@@ -225,11 +230,12 @@ def plain_twin(model: GPT) -> GPT:
     return twin.eval()
 
 
-def build_package(step: Step, example: tuple, path: Path, store: Path) -> dict[str, list]:
-    """Export `step` at the example inputs' shapes, compile it with AOTInductor into the library `path` and its
-    constants into the shared `store` (`unpack`); returns its manifest."""
+def build_package(step: nn.Module, example: tuple, path: Path, store: Path) -> dict[str, list]:
+    """Export `step` (a `Step`, or any module: tests) at the example inputs' shapes, compile it with AOTInductor
+    into the library `path` and its constants into the shared `store` (`unpack`); returns its manifest."""
     pt2 = path.with_name(path.name + ".pt2")
-    with torch.no_grad(), _eager_int4_kernel():
+    norms = _eager_norms() if getattr(step, "exact", False) else contextlib.nullcontext()
+    with torch.no_grad(), _eager_int4_kernel(), norms:
         ep = torch.export.export(step, example, strict=True)  # dynamo's tracing: model/linear.py's F.linear branch
         torch._inductor.aoti_compile_and_package(ep, package_path=str(pt2), inductor_configs=dict(CPU_OPTIONS))
     return unpack(pt2, path, store)
@@ -258,6 +264,40 @@ def _eager_int4_kernel():
 
     with mock.patch.object(quantized_lowerings, "use_cpp_gemm_template", lambda *args, **kwargs: False):
         yield
+
+
+# what a quantized step computes through ATen's own kernels, as eager steps do (`_eager_norms`)
+EAGER_OPS = (torch.ops.aten.native_layer_norm.default, torch.ops.aten.gelu.default)
+
+
+@contextlib.contextmanager
+def _eager_norms():
+    """Layer norms and GELU inside a compiled step through ATen's kernels (inductor's fallback: a call from the
+    step's C++ code), not inductor's own loops, for the steps of quantized weights: theirs differ from ATen's by ulps
+    (LayerNorm(768) up to 1.9e-6, GELU 2.4e-7), and an int8 activation near a rounding tie turns such an ulp into a
+    whole quantization step (docs/performance.md). inductor has no option for it: its decompositions of the two are
+    taken out of its table and fallbacks registered in their place, for the compiles of this module only (they
+    hold COMPILE_LOCK), and undone after."""
+    from torch._inductor import decomposition, lowering
+
+    removed = {op: decomposition.decompositions.pop(op) for op in EAGER_OPS if op in decomposition.decompositions}
+    decomposition.fast_random_decomps.cache_clear()  # the table with the random ops' decompositions, cached
+    ir_log = logging.getLogger("torch._inductor.ir")  # a warning per call site: "... is missing a c-shim
+    level = ir_log.level  # implementation, using proxy executor as fallback" (what this asks for)
+    ir_log.setLevel(logging.ERROR)
+    try:
+        for op in EAGER_OPS:
+            lowering.make_fallback(op, warn=False)
+        yield
+    finally:
+        ir_log.setLevel(level)
+        for op in EAGER_OPS:
+            handler = lowering.lowerings.pop(op, None)
+            lowering.fallbacks.discard(op)
+            lowering.needs_realized_inputs.discard(op)
+            del handler
+        decomposition.decompositions.update(removed)
+        decomposition.fast_random_decomps.cache_clear()
 
 
 _CONSTANT = re.compile(r"constants_info_\[(\d+)\]\.(name|dtype|offset|data_size|from_folded|shape|stride|layout)"
@@ -309,6 +349,9 @@ def unpack(pt2: Path, so: Path, store: Path) -> dict[str, list] | None:
         blobs = [n for n in names if n.endswith(".blob")]
         blob = z.read(blobs[0]) if blobs else b""
         so.write_bytes(z.read(next(n for n in names if n.endswith(".so"))))
+        for n in names:  # the calls the library makes back into PyTorch's dispatcher (a quantized step's ATen ops:
+            if n.endswith(".wrapper.json"):  # `_eager_norms`), read by its runner's proxy executor from beside it
+                so.with_suffix(".json").write_bytes(z.read(n))
     constants = package_constants(wrapper, blob)
     if constants is None:  # an opaque constant: this package keeps its own blob
         so.with_name(so.name + ".blob").write_bytes(blob)

@@ -18,9 +18,11 @@ entries are masked to exact zeros. Compiling takes seconds (inductor's FX graph 
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 KEY_BLOCK = 64  # keys are read in blocks of this many (batch invariance, above)
 
@@ -89,3 +91,50 @@ def _check(fn: Callable[..., torch.Tensor], k: torch.Tensor, v: torch.Tensor, ro
         err = (got.float() - ref).abs().max().item()
         if not err <= 1e-3:  # (also NaN) fp32 sums in another order: ~1e-6
             raise RuntimeError(f"the compiled decode attention differs from SDPA by {err:.3g} ({n} rows)")
+
+
+# every live KV cache (model.kv_cache) by its layers' key tensors' addresses: how a compiled step's attention finds
+# the cache its inputs are views of (`attend_as_eager`)
+_CACHES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+_LAYERS: dict[int, int] = {}  # ... and the layer of each (read only where _CACHES holds the address)
+
+
+def register(cache) -> None:
+    """Make `cache` (a KVCache) findable by `attend_as_eager` from its layers' tensors."""
+    for i, t in enumerate(cache.k):
+        _CACHES[t.data_ptr()], _LAYERS[t.data_ptr()] = cache, i
+
+
+@torch.library.custom_op("gpt_serve::attend_as_eager", mutates_args=())
+def attend_as_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """One query a row (q: B, H, 1, D) over slots 0..B-1 of a live cache's layer (k, v: those slots' views, this
+    step's keys already written; `visible`: the keys each row sees), computed as an eager decode step of those rows
+    computes it at this moment: the cache's compiled loops (`build`; model.kv_cache `_loops`) if it has them, else SDPA
+    over each row's own keys. A compiled step of quantized weights (engine/compiled_decode.py) calls this op from
+    its C++ code (AOTInductor's proxy executor), so that its attention gives eager's bits: int8 rounds each
+    activation to a step, and an ulp of difference near a rounding tie became a whole step, so that seeded GPT-2
+    int8 streams left the eager tokens after 11-24 of 128 (docs/performance.md)."""
+    ptr = k.data_ptr()
+    cache = _CACHES.get(ptr)
+    ck = None if cache is None else cache.k[_LAYERS[ptr]]
+    if ck is None or ck.data_ptr() != ptr or cache.v[_LAYERS[ptr]].data_ptr() != v.data_ptr():
+        raise RuntimeError("attend_as_eager: its keys and values are not slots 0.. of a live KV cache's layer")
+    cv = cache.v[_LAYERS[ptr]]
+    B, H, _, D = q.shape
+    # q in the layout of an eager step's query (a view of the (B, 1, 3·H·D) output of the qkv matmul): compiled loops
+    # are specialised to their inputs' strides, so another layout would compile them anew (and compute otherwise)
+    eager_q = torch.empty_strided((B, H, 1, D), (3 * H * D, D, 3 * H * D, 1), dtype=q.dtype).copy_(q)
+    lengths = visible.tolist()
+    if cache.decode_attention is not None:
+        S = read_len(max(lengths), cache.max_len)
+        return cache.decode_attention(eager_q, ck, cv, 0, B, S, visible.contiguous())
+    eager_q = eager_q.to(ck.dtype)
+    return torch.cat([F.scaled_dot_product_attention(eager_q[b:b + 1], ck[b:b + 1, :, :n], cv[b:b + 1, :, :n])
+                      for b, n in enumerate(lengths)]).to(q.dtype)
+
+
+@attend_as_eager.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q)

@@ -228,11 +228,13 @@ class GPT(nn.Module):
         """Logits of final hidden states (..., n_embd) from `forward_cached(..., hidden=True)`."""
         return linear(h, self.lm_head)
 
-    def decode_static(self, idx: torch.Tensor, cache: KVCache, kv_len: int | None = None) -> torch.Tensor:
+    def decode_static(self, idx: torch.Tensor, cache: KVCache, kv_len: int | None = None,
+                      exact: bool = False) -> torch.Tensor:
         """idx (B, 1): one token for each of slots 0..B-1 → logits (B, vocab), with static shapes
         (`KVCache.plan_static`, attending over the first kv_len cache entries, default all); the caller advances
-        the cache. The body that a CUDA graph captures."""
-        step = cache.plan_static(idx.size(0), kv_len)
+        the cache. The body that a CUDA graph captures. exact: attention as the eager step's (a CPU's compiled step of
+        quantized weights: `model.kv_cache.attend_as_eager`)."""
+        step = cache.plan_static(idx.size(0), kv_len, exact)
         x = self._embed(idx, step.positions)
         for i, block in enumerate(self.transformer.h):
             x = block(x, (cache.k[i], cache.v[i]), step)

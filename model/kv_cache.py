@@ -72,6 +72,7 @@ class KVCache:
         # on a CPU: its decode steps' attention, compiled (model.decode_attention.build), once the engine has it
         # (one token a row, at every batch: `_loops`); None: SDPA
         self.decode_attention: Callable[..., torch.Tensor] | None = None
+        decode_attention.register(self)  # where a compiled step's attention finds it (attend_as_eager)
 
     @property
     def device(self) -> torch.device:
@@ -184,7 +185,7 @@ class KVCache:
             return None
         return self.decode_attention
 
-    def plan_static(self, n_rows: int, kv_len: int | None = None) -> CacheStep:
+    def plan_static(self, n_rows: int, kv_len: int | None = None, exact: bool = False) -> CacheStep:
         """One token for each of slots 0..n_rows-1, with shapes that do not depend on what the slots hold:
         positions come from the device lengths and attention covers the first kv_len cache entries (default: the
         whole cache) under a mask. Nothing here reads the host, so a CUDA graph can capture the step once and
@@ -198,6 +199,9 @@ class KVCache:
         if not 0 < kv_len <= self.max_len:
             raise ContextLengthError(f"kv_len {kv_len} must be in 1..max_len ({self.max_len})")
         positions = self.lengths_t[:n_rows, None].clamp(max=self.max_len - 1)  # (B, 1), read at replay time
+        if exact:
+            return CacheStep(self._arange[:n_rows], slice(0, n_rows), positions, None, kv_len, exact=True,
+                             visible=positions[:, 0] + 1)
         mask = self._arange[None, None, None, :kv_len] <= positions[:, None, :, None]  # (B, 1, 1, S)
         return CacheStep(self._arange[:n_rows], slice(0, n_rows), positions, mask, kv_len)
 
@@ -225,6 +229,7 @@ class CacheStep:
     row_kv: list[int] | None = None  # with a mask: the keys each row holds after the step (host ints)
     loops: Callable[..., torch.Tensor] | None = None  # the compiled attention (model.decode_attention), which reads
     visible: torch.Tensor | None = None  # (B,) the keys each row sees of the S read (S = whole blocks)
+    exact: bool = False  # a compiled step attending as an eager one (model.decode_attention.attend_as_eager)
 
     def update(self, cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (B, H, T, D) in place and return the keys/values to attend over (B, H, S, D), in the cache's
@@ -243,7 +248,7 @@ class CacheStep:
             # advanced indices on dims 0 and 2 → the indexed view is (B, T, H, D)
             cache_k[rows, :, self.positions] = k.transpose(1, 2)
             cache_v[rows, :, self.positions] = v.transpose(1, 2)
-        if self.loops is not None:  # the compiled attention reads the layer's cache itself (`attend`)
+        if self.loops is not None or self.exact:  # the compiled attention reads the layer's cache itself (`attend`)
             return cache_k, cache_v
         if self.slot_range is not None:
             k_all, v_all = cache_k[self.slot_range, :, : self.kv_len], cache_v[self.slot_range, :, : self.kv_len]
@@ -270,6 +275,8 @@ class CacheStep:
         the runs.)"""
         if self.loops is not None:  # k, v: the layer's whole cache tensors (`update`)
             return self.loops(q, k, v, self.slot_range.start, q.size(0), self.kv_len, self.visible)
+        if self.exact:  # k, v: slots 0..B-1 of the layer's cache, just written (`update`)
+            return torch.ops.gpt_serve.attend_as_eager(q, k, v, self.visible)  # model.decode_attention
         q = q.to(k.dtype)  # the cache's dtype (a 16-bit cache beside fp32 weights is read as stored)
         if q.device.type == "cpu" and q.size(2) == 1 and self.mask is not None and torch.compiler.is_dynamo_compiling():
             # a compiled CPU decode step (engine/compiled_decode.py): written out, inductor fuses one query's
@@ -284,3 +291,4 @@ class CacheStep:
                 q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
                 attn_mask=None if T == 1 else self.mask[b:b + 1, :, :, :n]) for b, n in enumerate(self.row_kv)])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.is_causal)
+

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from engine import compiled_attention
 from engine.runner import ModelRunner
-from model import decode_attention
+from model import cpu_support, decode_attention
 from model.config import GPTConfig
 from model.kv_cache import KVCache
 from tests.helpers import run_alone_or_together, tiny_model
@@ -261,3 +261,45 @@ def test_the_server_says_compiling_until_the_attention_is_installed(monkeypatch)
     release.set()
     core.wait_compiled(300)
     assert not core.stats()["compiling"] and core.stats()["compiled_attention"]
+
+
+@pytest.mark.parametrize("with_loops", [True, False], ids=["loops", "sdpa"])
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_a_static_step_attending_as_eager_gives_an_eager_step_s_logits_bit_for_bit(with_loops, quantize):
+    """`decode_static(..., exact=True)` (what a quantized model's compiled step traces) attends through
+    `attend_as_eager`, which finds the live cache from its inputs and computes what an eager decode step of that row
+    computes at that moment: the cache's compiled loops once installed, SDPA over the row's own keys before. Run
+    eagerly here, so every bit of the two steps' logits and written keys must agree, at lengths either side of a
+    block edge."""
+    from model.linear import convert
+
+    if quantize == "int8" and not cpu_support.support().fbgemm:
+        pytest.skip("int8 through fbgemm")
+    model = tiny_model(0, n_embd=64, n_head=4, vocab_size=128, block_size=256)
+    if quantize != "none":
+        convert(model, quantize)
+    cache = KVCache(model.config, 3, 256)
+    if with_loops:
+        cache.decode_attention = decode_attention.build(cache.k[0])
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        model.forward_cached(torch.randint(0, 128, (1, 60), generator=g), cache, [0])
+        for _ in range(8):  # lengths 60..67: across the 64-key block edge
+            tok = torch.randint(0, 128, (1, 1), generator=g)
+            n = cache.lengths[0]
+            static = model.decode_static(tok, cache, 128, exact=True)
+            static_k = cache.k[1][0, :, n].clone()
+            eager = model.forward_cached(tok, cache, [0])  # writes the same entry, then advances
+            assert torch.equal(static, eager) and torch.equal(static_k, cache.k[1][0, :, n])
+        masked = model.decode_static(tok, cache, 128)  # the written-out attention under a mask: close, not equal
+        cache.truncate(0, cache.lengths[0])
+        torch.testing.assert_close(masked, model.forward_cached(tok, cache, [0]), atol=1e-4, rtol=1e-4)
+
+
+def test_attending_as_eager_refuses_tensors_that_are_not_a_live_cache_s():
+    cache = KVCache(GPTConfig.preset("tiny"), 2, 64)
+    q = torch.zeros(1, 2, 1, 16)
+    with pytest.raises(RuntimeError, match="not slots 0.. of a live KV cache's layer"):
+        torch.ops.gpt_serve.attend_as_eager(q, cache.k[0].clone(), cache.v[0], torch.ones(1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="not slots 0.. of a live KV cache's layer"):
+        torch.ops.gpt_serve.attend_as_eager(q, cache.k[0], cache.v[1], torch.ones(1, dtype=torch.long))

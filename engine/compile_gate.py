@@ -76,7 +76,9 @@ def time_one_row(model: GPT, compiled, cache: KVCache, *, rounds: int = 5, steps
     """Time `compiled` (engine.compiled_decode.CompiledDecode, its steps made) against `model.forward_cached` on a
     scratch one-slot cache shaped as `cache` (its decode attention too), `rounds` x `steps` steps each, alternating
     every `steps`; the live cache is not touched."""
-    scratch = KVCache(model.config, 1, cache.max_len, dtype=cache.k[0].dtype, device=cache.device)
+    with torch.inference_mode(False):  # plain tensors, as the live cache's: the compiled decode attention is
+        # specialised to them (an inference tensor compiled it again, at serve time)
+        scratch = KVCache(model.config, 1, cache.max_len, dtype=cache.k[0].dtype, device=cache.device)
     scratch.decode_attention = cache.decode_attention
     length = min(length, cache.max_len - 1)
     scratch.advance([0], length)

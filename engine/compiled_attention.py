@@ -9,6 +9,8 @@ A compile that fails leaves SDPA in place, with one log line.
 
 from __future__ import annotations
 
+import torch
+
 from engine.compiled_decode import COMPILE_LOCK
 from engine.idle_job import IdleJob
 from model import decode_attention
@@ -27,12 +29,12 @@ class AttentionBuild(IdleJob):
 
     name = "compile-attention"
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVCache, q_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(lock=COMPILE_LOCK)
-        self.cache = cache
+        self.cache, self.q_dtype = cache, q_dtype  # the model's: its queries' dtype (the loops are built for it)
 
     def work(self):
-        return decode_attention.build(self.cache.k[0])
+        return decode_attention.build(self.cache.k[0], self.q_dtype)
 
     @property
     def fn(self):

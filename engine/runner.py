@@ -264,7 +264,7 @@ class ModelRunner:
             if self.compile == "on":
                 self._compile_decode()
             if self.compile_attention:
-                self._attention = compiled_attention.AttentionBuild(self.cache)
+                self._attention = compiled_attention.AttentionBuild(self.cache, self.dtype)
                 self._attention.start()
             if not self.cache.resident:  # after every start-up timing: its memory traffic would disturb them
                 self._filling = ResidentFill(self.cache).start()

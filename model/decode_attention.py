@@ -43,23 +43,41 @@ def read_len(kv_len: int, max_len: int) -> int:
     return min(-(-kv_len // KEY_BLOCK) * KEY_BLOCK, max_len)
 
 
-def attend_cache(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, first: int, rows: int, S: int,
+def attend_slots(q: torch.Tensor, slots_k: torch.Tensor, slots_v: torch.Tensor, S: int,
                  visible: torch.Tensor) -> torch.Tensor:
-    """`attend` over the first S entries of slots first..first+rows-1 of one layer's whole cache tensors: compiled,
-    the cache's shape and strides stay constants of the loops (H and D unrolled and vectorised), and only rows and S
-    vary."""
-    return attend(q, cache_k[first:first + rows, :, :S], cache_v[first:first + rows, :, :S], visible)
+    """`attend` over the first S entries of consecutive slots of one layer's cache (views of its whole tensors, one
+    row per slot): compiled, the cache's strides and its other dimensions stay constants of the loops (H and D
+    unrolled and vectorised), and only the rows and S vary. The slots are sliced before the call, not inside it: a
+    slot number inside would be one more guarded value (a recompile per slot, at serve time)."""
+    return attend(q, slots_k[:, :, :S], slots_v[:, :, :S], visible)
 
 
-def build(cache_k: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """Compile `attend_cache` for caches shaped like `cache_k` (n_slots, H, max_len, D), and run it on one row and
-    on several, at a length short of the cache, a second one and the whole cache, so that every graph a server's
-    steps need exists (torch.compile's automatic dynamic shapes: general in rows and length after a second shape; one
-    row and the whole cache are graphs of their own) before a request needs it; raises what the compile raises."""
-    # dynamo keeps its graphs on the function's code object, at most 8 (recompile_limit): a code object of its own
-    # per build, so caches of other shapes in one process (tests, a draft model's) do not add up to that limit
-    own = types.FunctionType(attend_cache.__code__.replace(), attend_cache.__globals__, attend_cache.__name__)
+def eager_query(rows: int, H: int, D: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An empty (rows, H, 1, D) query laid out as an eager decode step's (a view of the (rows, 1, 3·H·D) output of
+    the qkv matmul): the compiled loops are specialised to their inputs' strides, so every call (the warm-up
+    below, `attend_as_eager`) hands them this layout, else it compiles again while serving."""
+    return torch.empty(rows, 1, 3 * H * D, dtype=dtype)[:, :, :H * D].view(rows, 1, H, D).transpose(1, 2)
+
+
+def build(cache_k: torch.Tensor, q_dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor]:
+    """Compile `attend_slots` for caches shaped like `cache_k` (n_slots, H, max_len, D) and queries of `q_dtype`,
+    and run it on one row and on several, at a length short of the cache, a second one and the whole cache, so that
+    every graph a server's steps need exists (torch.compile's automatic dynamic shapes: general in rows and length
+    after a second shape; one row and the whole cache are graphs of their own) before a request needs it; raises
+    what the compile raises. Returns `loops(q, cache_k, cache_v, first, rows, S, visible)`: slots first..first+rows-1
+    of one layer's whole cache tensors."""
+    # dynamo keeps its graphs on the function's code object, at most 8 (recompile_limit; past it, with fullgraph, a
+    # call raises: the step fails): a code object of its own per build, so caches of other shapes in one process
+    # (tests, a draft model's) do not add up to that limit, and every call in the layout warmed here (slots sliced
+    # outside, `eager_query`, tensors made outside inference mode as the cache's are): GPT-2 int8 over a bf16 cache
+    # hit the limit while serving when its query's strides, a slot number and an inference-mode scratch cache each
+    # compiled again (docs/performance.md)
+    own = types.FunctionType(attend_slots.__code__.replace(), attend_slots.__globals__, attend_slots.__name__)
     fn = torch.compile(own, fullgraph=True)
+
+    def loops(q, cache_k, cache_v, first, rows, S, visible):
+        return fn(q, cache_k[first:first + rows], cache_v[first:first + rows], S, visible)
+
     n_slots, H, max_len, D = cache_k.shape
     k, v = torch.zeros_like(cache_k), torch.zeros_like(cache_k)
     # per kind of row count (one; several): a first shape, a second length (now general in it), the whole cache
@@ -69,12 +87,13 @@ def build(cache_k: torch.Tensor) -> Callable[..., torch.Tensor]:
         shapes = [(2, lengths[0]), *((3, S) for S in lengths[1:]), *shapes]
     with torch.inference_mode():  # as the engine's steps run (a guard: another mode would compile again)
         for rows, S in shapes:
-            fn(torch.zeros(rows, 1, H, D).transpose(1, 2), k, v, 0, rows, S, torch.ones(rows, dtype=torch.long))
-        _check(fn, k, v, rows=min(n_slots, 3))
-    return fn
+            loops(eager_query(rows, H, D, q_dtype).zero_(), k, v, 0, rows, S, torch.ones(rows, dtype=torch.long))
+        _check(loops, k, v, rows=min(n_slots, 3), q_dtype=q_dtype)
+    return loops
 
 
-def _check(fn: Callable[..., torch.Tensor], k: torch.Tensor, v: torch.Tensor, rows: int) -> None:
+def _check(fn: Callable[..., torch.Tensor], k: torch.Tensor, v: torch.Tensor, rows: int,
+           q_dtype: torch.dtype = torch.float32) -> None:
     """Raise unless `fn` equals fp32 SDPA over each row's own keys on random data, at one row and at `rows`. A
     kernel from inductor's on-disk cache made under another vector ISA (`ATEN_CPU_CAPABILITY=avx2` after an AVX-512
     run, same cache folder) returned values of 1e23 here: the engine then keeps SDPA (one log line)."""
@@ -83,11 +102,13 @@ def _check(fn: Callable[..., torch.Tensor], k: torch.Tensor, v: torch.Tensor, ro
     k[:rows, :, :S] = torch.randn(rows, k.size(1), S, k.size(3), generator=g).to(k.dtype)
     v[:rows, :, :S] = torch.randn(rows, v.size(1), S, v.size(3), generator=g).to(v.dtype)
     for n in sorted({1, rows}):
-        q = torch.randn(n, 1, k.size(1), k.size(3), generator=g).transpose(1, 2)
+        q = eager_query(n, k.size(1), k.size(3), q_dtype)
+        q.copy_(torch.randn(n, k.size(1), 1, k.size(3), generator=g))
         visible = torch.tensor([S - 3 * i for i in range(n)])
         got = fn(q, k, v, 0, n, S, visible)
         ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-            q[b:b + 1], k[b:b + 1, :, :m].float(), v[b:b + 1, :, :m].float()) for b, m in enumerate(visible.tolist())])
+            q[b:b + 1].float(), k[b:b + 1, :, :m].float(), v[b:b + 1, :, :m].float())
+            for b, m in enumerate(visible.tolist())])
         err = (got.float() - ref).abs().max().item()
         if not err <= 1e-3:  # (also NaN) fp32 sums in another order: ~1e-6
             raise RuntimeError(f"the compiled decode attention differs from SDPA by {err:.3g} ({n} rows)")
@@ -123,9 +144,8 @@ def attend_as_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
         raise RuntimeError("attend_as_eager: its keys and values are not slots 0.. of a live KV cache's layer")
     cv = cache.v[_LAYERS[ptr]]
     B, H, _, D = q.shape
-    # q in the layout of an eager step's query (a view of the (B, 1, 3·H·D) output of the qkv matmul): compiled loops
-    # are specialised to their inputs' strides, so another layout would compile them anew (and compute otherwise)
-    eager_q = torch.empty_strided((B, H, 1, D), (3 * H * D, D, 3 * H * D, 1), dtype=q.dtype).copy_(q)
+    # q in the layout of an eager step's query: the loops would compile again for another (`eager_query`)
+    eager_q = eager_query(B, H, D, q.dtype).copy_(q)
     lengths = visible.tolist()
     if cache.decode_attention is not None:
         S = read_len(max(lengths), cache.max_len)

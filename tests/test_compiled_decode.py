@@ -132,9 +132,9 @@ def test_the_decode_step_and_the_attention_compile_one_at_a_time(monkeypatch):
         inner(self)
         spans["decode"] = (t, time.perf_counter())
 
-    def timed_build(k):
+    def timed_build(k, q_dtype):
         t = time.perf_counter()
-        fn = real_build(k)
+        fn = real_build(k, q_dtype)
         spans["attention"] = (t, time.perf_counter())
         return fn
 

@@ -156,7 +156,7 @@ def test_an_fp32_cache_attends_through_the_loops_for_one_row_as_for_several():
 
 
 def test_a_failed_attention_compile_leaves_sdpa_with_one_log_line(monkeypatch, caplog):
-    def fail(cache_k):
+    def fail(cache_k, q_dtype):
         raise RuntimeError("no C++ compiler\nmore lines")
 
     monkeypatch.setattr(decode_attention, "build", fail)
@@ -250,9 +250,9 @@ def test_the_server_says_compiling_until_the_attention_is_installed(monkeypatch)
 
     release, real = threading.Event(), decode_attention.build
 
-    def held(cache_k):
+    def held(cache_k, q_dtype):
         release.wait(60)
-        return real(cache_k)
+        return real(cache_k, q_dtype)
 
     monkeypatch.setattr(decode_attention, "build", held)
     core = engine()
@@ -303,3 +303,34 @@ def test_attending_as_eager_refuses_tensors_that_are_not_a_live_cache_s():
         torch.ops.gpt_serve.attend_as_eager(q, cache.k[0].clone(), cache.v[0], torch.ones(1, dtype=torch.long))
     with pytest.raises(RuntimeError, match="not slots 0.. of a live KV cache's layer"):
         torch.ops.gpt_serve.attend_as_eager(q, cache.k[0], cache.v[1], torch.ones(1, dtype=torch.long))
+
+
+def test_the_engine_s_calls_never_compile_the_loops_again():
+    """Every call a server makes reuses a graph `build` made: one row and several, slots other than 0 (a one-token
+    prefill after a prefix reuse), short lengths and the whole cache, the eager step's query layout, and a compiled
+    quantized step's calls through `attend_as_eager`. A recompile costs seconds inside a step, and past dynamo's limit
+    of 8 graphs (fullgraph) the call raises and the step fails: GPT-2 int8 over a bf16 cache got there while serving
+    (a query of another layout, a slot number, an inference-mode scratch cache each compiled again)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model(0, n_embd=64, n_head=4, vocab_size=128, block_size=256)
+    cache = KVCache(model.config, 4, 256)
+    cache.decode_attention = decode_attention.build(cache.k[0])
+    graphs = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(0)
+
+    def tokens(rows: int) -> torch.Tensor:
+        return torch.randint(0, 128, (rows, 1), generator=g)
+
+    with torch.inference_mode():
+        model.forward_cached(torch.randint(0, 128, (3, 60), generator=g), cache, [0, 1, 2])
+        for _ in range(6):  # 3 rows, then 1, at lengths either side of a block edge
+            model.forward_cached(tokens(3), cache, [0, 1, 2])
+            model.forward_cached(tokens(1), cache, [0])
+        model.forward_cached(tokens(1), cache, [2])  # one row at slot 2
+        model.forward_cached(tokens(2), cache, [1, 2])  # rows from slot 1
+        model.decode_static(tokens(1), cache, 256, exact=True)  # a compiled quantized step's attention
+        cache.advance([0, 1, 2, 3], 256 - 1 - max(cache.lengths))  # the whole cache read
+        model.forward_cached(tokens(3), cache, [0, 1, 2])
+        model.forward_cached(tokens(1), cache, [3])
+    assert counters["stats"]["unique_graphs"] == graphs

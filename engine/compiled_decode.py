@@ -77,8 +77,11 @@ MODES = ("off", "on", "auto")
 # resident (docs/performance.md)
 AUTO_MAX_BLOCK_PARAMS = 16_000_000
 # inductor's options for the CPU step (torch/_inductor/config.py): weights as constants (freezing: packed once),
-# max_autotune choosing between aten's GEMM and inductor's C++ micro-kernel per shape
-CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+# max_autotune over inductor's C++ micro-kernels per shape, ATen's GEMM only where no micro-kernel fits: ATen's fp32
+# linear holds oneDNN's packed weight, an opaque constant, and a package with one keeps its own copy of every
+# weight (`unpack`): a GPT-2 compile in which autotuning timed ATen's 768x768 matmul faster by a hair (0.072 ms) made
+# 15 such packages, 9.2 GB on disk and each loaded into memory (docs/performance.md)
+CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP",
                # the frozen weights out of the package's library, in a blob beside it: `unpack` keeps one copy of
                # each on disk and in memory for all packages (GPT-2's 15 each held their own 657 MB: 18 GB idle)
                "aot_inductor.package_constants_in_so": False,
@@ -235,9 +238,13 @@ def build_package(step: nn.Module, example: tuple, path: Path, store: Path) -> d
     into the library `path` and its constants into the shared `store` (`unpack`); returns its manifest."""
     pt2 = path.with_name(path.name + ".pt2")
     norms = _eager_norms() if getattr(step, "exact", False) else contextlib.nullcontext()
+    options = dict(CPU_OPTIONS)
+    if any(isinstance(m, Int4Linear) for m in step.modules()):  # aten's int4 kernel is its matmuls' only choice
+        options["max_autotune_gemm_backends"] = "CPP,ATEN"  # (`_eager_int4_kernel`); its packed int4 weight is a
+        # plain tensor, shared as any other
     with torch.no_grad(), _eager_int4_kernel(), norms:
         ep = torch.export.export(step, example, strict=True)  # dynamo's tracing: model/linear.py's F.linear branch
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(pt2), inductor_configs=dict(CPU_OPTIONS))
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(pt2), inductor_configs=options)
     return unpack(pt2, path, store)
 
 
@@ -354,6 +361,8 @@ def unpack(pt2: Path, so: Path, store: Path) -> dict[str, list] | None:
                 so.with_suffix(".json").write_bytes(z.read(n))
     constants = package_constants(wrapper, blob)
     if constants is None:  # an opaque constant: this package keeps its own blob
+        log.warning("compiled decode step %s holds an opaque constant (ATen's packed weight): it keeps its own copy "
+                    "of the weights (%.0f MB on disk and in memory)", so.stem, len(blob) / 1e6)
         so.with_name(so.name + ".blob").write_bytes(blob)
         pt2.unlink()
         return None

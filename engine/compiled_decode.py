@@ -184,7 +184,8 @@ class Step(nn.Module):
         self.model, self.max_len, self.kv_len, self.kind, self.vocab, self.block = model, max_len, kv_len, kind, \
             vocab, block
         # quantized weights: the step computes what eager ATen does around its matmuls (attention, layer norms,
-        # GELU), so that its activations round as the eager step's (`_eager_norms`, model.kv_cache.attend_as_eager)
+        # GELU), so that its activations round as the eager step's (`_eager_norms`, model.decode_attention's
+        # attend_as_eager)
         self.exact = any(isinstance(m, QUANTIZED) for m in model.modules())
         self.register_buffer("arange", torch.arange(max_len), persistent=False)
 

@@ -117,13 +117,13 @@ def _check(fn: Callable[..., torch.Tensor], k: torch.Tensor, v: torch.Tensor, ro
 # every live KV cache (model.kv_cache) by its layers' key tensors' addresses: how a compiled step's attention finds
 # the cache its inputs are views of (`attend_as_eager`)
 _CACHES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
 _LAYERS: dict[int, int] = {}  # ... and the layer of each (read only where _CACHES holds the address)
 
 
 def register(cache) -> None:
     """Make `cache` (a KVCache) findable by `attend_as_eager` from its layers' tensors."""
+    for gone in [ptr for ptr in _LAYERS if ptr not in _CACHES]:  # caches since freed
+        del _LAYERS[gone]
     for i, t in enumerate(cache.k):
         _CACHES[t.data_ptr()], _LAYERS[t.data_ptr()] = cache, i
 

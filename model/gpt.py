@@ -233,7 +233,7 @@ class GPT(nn.Module):
         """idx (B, 1): one token for each of slots 0..B-1 → logits (B, vocab), with static shapes
         (`KVCache.plan_static`, attending over the first kv_len cache entries, default all); the caller advances
         the cache. The body that a CUDA graph captures. exact: attention as the eager step's (a CPU's compiled step of
-        quantized weights: `model.kv_cache.attend_as_eager`)."""
+        quantized weights: `model.decode_attention.attend_as_eager`)."""
         step = cache.plan_static(idx.size(0), kv_len, exact)
         x = self._embed(idx, step.positions)
         for i, block in enumerate(self.transformer.h):

@@ -289,6 +289,8 @@ def _eager_norms():
     from torch._inductor import decomposition, lowering
 
     removed = {op: decomposition.decompositions.pop(op) for op in EAGER_OPS if op in decomposition.decompositions}
+    tables = (lowering.lowerings, lowering.fallbacks, lowering.needs_realized_inputs)  # what make_fallback adds to
+    had = [{op for op in EAGER_OPS if op in t} for t in tables]
     decomposition.fast_random_decomps.cache_clear()  # the table with the random ops' decompositions, cached
     ir_log = logging.getLogger("torch._inductor.ir")  # a warning per call site: "... is missing a c-shim
     level = ir_log.level  # implementation, using proxy executor as fallback" (what this asks for)
@@ -299,11 +301,10 @@ def _eager_norms():
         yield
     finally:
         ir_log.setLevel(level)
-        for op in EAGER_OPS:
-            handler = lowering.lowerings.pop(op, None)
-            lowering.fallbacks.discard(op)
-            lowering.needs_realized_inputs.discard(op)
-            del handler
+        for table, kept in zip(tables, had):
+            for op in EAGER_OPS:
+                if op not in kept and op in table:  # only what this added: a table that held it before keeps it
+                    table.pop(op) if isinstance(table, dict) else table.discard(op)
         decomposition.decompositions.update(removed)
         decomposition.fast_random_decomps.cache_clear()
 

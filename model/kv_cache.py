@@ -291,4 +291,3 @@ class CacheStep:
                 q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
                 attn_mask=None if T == 1 else self.mask[b:b + 1, :, :, :n]) for b, n in enumerate(self.row_kv)])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.is_causal)
-

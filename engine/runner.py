@@ -14,6 +14,7 @@ warm-up. What a step decides (which rows, which grammar masks, which proposals) 
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -380,6 +381,11 @@ class ModelRunner:
                      compiled.max_batch, "loaded from the compile cache" if compiled.source == "cache" else
                      "compiled ahead of time by AOTInductor", compiled.seconds, len(compiled.buckets),
                      len(compiled.contexts), len(compiled.kinds), compiled.folder)
+        if self._compiled is None:  # not kept: its packages go now, and the heap gives their pages back (freed
+            # memory stays mapped otherwise, engine.heap.keep_freed_memory: GPT-2 int4's rejected steps held 2.2 GB)
+            del compiled
+            gc.collect()
+            release_freed_memory()
 
     def _faster(self, compiled) -> bool:
         """auto: whether the compiled one-row step beats the eager one here (engine.compile_gate; kept for /info);

@@ -156,6 +156,24 @@ def test_a_compile_that_fails_leaves_the_engine_eager_with_one_log_line(monkeypa
     assert run(core, together=False) == run(make_core("off"), together=False)
 
 
+def test_a_compiled_step_not_kept_is_freed_and_its_pages_given_back(monkeypatch):
+    """A step that is not kept (it differs, failed, or timed no faster) must not stay resident: freed memory stays
+    mapped in the core (engine.heap.keep_freed_memory), and GPT-2 int4's rejected packages held 2.2 GB of a server."""
+    import weakref
+
+    import engine.runner as runner
+
+    stand_in_compiler(monkeypatch, [], shift=1.0)
+    made: list = []
+    start = cd.CompiledDecode.start
+    monkeypatch.setattr(cd.CompiledDecode, "start", lambda self: (made.append(weakref.ref(self)), start(self))[1])
+    trims: list = []  # at each trim: whether every compiled step made is gone
+    monkeypatch.setattr(runner, "release_freed_memory", lambda: trims.append(all(r() is None for r in made)))
+    core = make_core("on")
+    assert not core.stats()["compiled_decode"] and made
+    assert trims and trims[-1], trims
+
+
 def test_a_compiled_step_that_differs_from_eager_is_dropped(monkeypatch, caplog):
     stand_in_compiler(monkeypatch, [], shift=1.0)
     with caplog.at_level(logging.WARNING, logger="engine.core"):
@@ -164,7 +182,8 @@ def test_a_compiled_step_that_differs_from_eager_is_dropped(monkeypatch, caplog)
     assert any("differs from eager" in r.getMessage() for r in caplog.records)
 
 
-def test_auto_compiles_fp32_and_quantized_models_on_a_cpu_only():
+def test_auto_compiles_fp32_and_quantized_models_on_a_cpu_only(monkeypatch):
+    force_cpu(monkeypatch, capability="AVX512", flags=frozenset({"avx2", "avx512f", "avx512_vnni"}))
     small = tiny_model(0, vocab_size=96, block_size=64)
     cpu = torch.device("cpu")
     assert cd.resolve_mode("auto", small, cpu, torch.float32, "none") == "on"
@@ -190,6 +209,22 @@ def test_auto_compiles_fp32_and_quantized_models_on_a_cpu_only():
         assert cd.resolve_mode("auto", gpt2, cpu, torch.float32, fmt, torch.bfloat16) == "on"
     for fmt in ("none", "int8", "int4"):
         assert cd.resolve_mode("on", gpt2, cpu, torch.float32, fmt) == "on"
+
+
+@pytest.mark.parametrize("capability, flags, compiled", [
+    ("AVX512", {"avx512f", "avx512_vnni"}, True),  # Zen 4: inductor's int8 GEMM over VNNI, 2.1x eager
+    ("AVX512", {"avx512f", "amx_int8", "avx512_vnni"}, True),
+    ("AVX2", {"avx2", "fma"}, False),  # Zen 3: 2.8x slower than eager (docs/performance.md)
+    ("AVX2", {"avx2", "avx512_vnni"}, False),  # an AVX-512 CPU capped at AVX2 (ATEN_CPU_CAPABILITY)
+    ("AVX512", {"avx512f"}, False),  # AVX-512 without VNNI: not measured, so not compiled unasked
+])
+def test_auto_compiles_int8_only_where_the_cpu_has_int8_dot_products(monkeypatch, capability, flags, compiled):
+    force_cpu(monkeypatch, capability=capability, flags=frozenset(flags))
+    model, cpu = tiny_model(0, vocab_size=96, block_size=64), torch.device("cpu")
+    assert cd.resolve_mode("auto", model, cpu, torch.float32, "int8") == ("on" if compiled else "off")
+    assert cd.resolve_mode("on", model, cpu, torch.float32, "int8") == "on"  # asked for: compiled whatever the CPU
+    assert cd.resolve_mode("auto", model, cpu, torch.float32, "int4") == "on"  # int4 and fp32: timed at install
+    assert cd.resolve_mode("auto", model, cpu, torch.float32, "none") == "on"
 
 
 def slow_stand_in(monkeypatch, delay: float) -> list:

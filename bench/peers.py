@@ -68,8 +68,9 @@ SERVERS: dict[str, dict[str, Any]] = {
     "ours-kv-bf16": {"kind": "ours", "weights": "fp32", "extra_args": ["--kv-cache-dtype", "bf16"]},
     "ours-int8": {"kind": "ours", "weights": "fp32", "quantize": "int8"},
     "ours-int4": {"kind": "ours", "weights": "fp32", "quantize": "int4"},
-    # the same formats with the decode step eager / compiled whatever its timing (auto compiles them and keeps the
-    # step where faster: their steps compute eager's bits, engine/compiled_decode.py `Step.exact`)
+    # the same formats with the decode step eager / compiled whatever its timing (auto compiles int4, and int8 where
+    # the CPU has int8 dot products, and keeps the step where faster: their steps compute eager's bits,
+    # engine/compiled_decode.py `Step.exact`)
     "ours-int8-compiled": {"kind": "ours", "weights": "fp32", "quantize": "int8", "extra_args": ["--compile", "on"]},
     "ours-int4-compiled": {"kind": "ours", "weights": "fp32", "quantize": "int4", "extra_args": ["--compile", "on"]},
     "ours-int8-eager": {"kind": "ours", "weights": "fp32", "quantize": "int8", "extra_args": ["--compile", "off"]},

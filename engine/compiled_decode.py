@@ -141,8 +141,10 @@ def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype
                  kv_dtype: torch.dtype | None = None) -> str:
     """on / off for this model: only a CPU's decode step is compiled (CUDA has its graphs): fp32 / bf16, int4, and
     int8 where fbgemm serves it eagerly (the rounding its compiled twin reproduces: model.linear.Int8Traced); auto
-    also needs fp32 (or quantized) weights, and fp32 weights over a 16-bit KV cache (`kv_dtype`; default: `dtype`)
-    a small model (AUTO_MAX_BLOCK_PARAMS, counted as loaded)."""
+    also needs fp32 (or quantized) weights, int8 a CPU whose int8 dot products inductor's GEMM uses
+    (cpu_support's `int8_dot`: elsewhere the step timed 2.8x slower than eager, after a ~20-minute compile), and fp32
+    weights over a 16-bit KV cache (`kv_dtype`; default: `dtype`) a small model (AUTO_MAX_BLOCK_PARAMS, counted as
+    loaded)."""
     if mode not in MODES:
         raise ValueError(f"compile must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off" or device.type != "cpu":
@@ -150,7 +152,7 @@ def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype
     if quantize == "int8" and not cpu_support.support().fbgemm:
         return "off"
     if mode == "auto":
-        if dtype != torch.float32:
+        if dtype != torch.float32 or (quantize == "int8" and not cpu_support.support().int8_dot):
             return "off"
         if quantize != "none" or (kv_dtype or dtype).itemsize == 4:
             return "on"

@@ -39,6 +39,14 @@ class CpuSupport:
         """bf16 computed in hardware and packed by oneDNN: the only CPUs where bf16 can beat fp32."""
         return self.packed_bf16 and bool(self.flags & set(BF16_FLAGS))
 
+    @property
+    def int8_dot(self) -> bool:
+        """int8 dot products in hardware under an AVX-512 capability (AVX512-VNNI or AMX-INT8), which inductor's
+        int8 GEMM uses: where a compiled int8 decode step was measured faster than fbgemm's eager one (2.1x on a
+        Zen 4). On an AVX2-only EPYC (Zen 3) the compiled step timed 2.8x slower (docs/performance.md, "The AVX2 host
+        class, measured"); AVX2 with AVX-VNNI is not measured."""
+        return self.capability.startswith("AVX512") and bool(self.flags & {"avx512_vnni", "amx_int8"})
+
     def packs(self, dtype: torch.dtype) -> bool:
         """Whether oneDNN's packed weight serves this dtype here (fp16 never: oneDNN's fp16 needs AVX512-FP16/AMX
         and is not chosen by `model.linear.convert`)."""
@@ -48,7 +56,7 @@ class CpuSupport:
         """For /info and bench results."""
         return {"capability": self.capability, "flags": sorted(self.flags), "onednn_linear": self.onednn_linear,
                 "packed_fp32": self.packed_fp32, "packed_bf16": self.packed_bf16, "native_bf16": self.native_bf16,
-                "fbgemm": self.fbgemm, "int4_pack": self.int4_pack}
+                "fbgemm": self.fbgemm, "int8_dot": self.int8_dot, "int4_pack": self.int4_pack}
 
 
 def cpu_flags() -> set[str]:

@@ -364,8 +364,6 @@ class ModelRunner:
             self.cache_lock = mark_in_use(compiled.folder)
             self.pruning = CachePrune(compiled.cache_dir, compiled.folder).start()
         drop_plain(self.model)  # the compile has read the plain weights (or failed): eager steps never do
-        release_freed_memory()  # those, and what the compile freed (GPT-2's: 8.7 GB resident after it), kept by
-        # engine.heap.keep_freed_memory's heap
         try:
             same = compiled.error is None and compiled.check()
         except Exception as e:  # noqa: BLE001 - a failing check costs speed, never the engine
@@ -381,11 +379,12 @@ class ModelRunner:
                      compiled.max_batch, "loaded from the compile cache" if compiled.source == "cache" else
                      "compiled ahead of time by AOTInductor", compiled.seconds, len(compiled.buckets),
                      len(compiled.contexts), len(compiled.kinds), compiled.folder)
-        if self._compiled is None:  # not kept: its packages go now, and the heap gives their pages back (freed
-            # memory stays mapped otherwise, engine.heap.keep_freed_memory: GPT-2 int4's rejected steps held 2.2 GB)
+        if self._compiled is None:  # not kept: its packages go before the trim (GPT-2 int4's rejected steps
+            # otherwise held 2.2 GB)
             del compiled
             gc.collect()
-            release_freed_memory()
+        release_freed_memory()  # the plain weights, what the compile freed (GPT-2's: 8.7 GB resident after it) and
+        # a step not kept: engine.heap.keep_freed_memory's heap keeps freed pages mapped until trimmed
 
     def _faster(self, compiled) -> bool:
         """auto: whether the compiled one-row step beats the eager one here (engine.compile_gate; kept for /info);

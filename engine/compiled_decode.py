@@ -60,9 +60,9 @@ from model import cpu_support
 from model.cpu_support import cpu_flags
 from model.gpt import GPT
 from model.kv_cache import KVCache
-from model.linear import Int4Linear, Int8Embedding, Int8Linear, Int8Traced, PackedLinear
+from model.linear import Int4Linear, Int8Embedding, Int8Extern, Int8Linear, Int8Traced, PackedLinear
 
-QUANTIZED = (Int8Linear, Int8Traced, Int4Linear, Int8Embedding)  # served, and their twins (Int4Traced: an Int4Linear)
+QUANTIZED = (Int8Linear, Int8Traced, Int8Extern, Int4Linear, Int8Embedding)  # served, and their twins (Int4Traced: an Int4Linear)
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +140,10 @@ def code_digest(source: str) -> bytes:
 def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype, quantize: str,
                  kv_dtype: torch.dtype | None = None) -> str:
     """on / off for this model: only a CPU's decode step is compiled (CUDA has its graphs): fp32 / bf16, int4, and
-    int8 where fbgemm serves it eagerly (the rounding its compiled twin reproduces: model.linear.Int8Traced); auto
-    also needs fp32 (or quantized) weights, int8 a CPU whose int8 dot products inductor's GEMM uses
-    (cpu_support's `int8_dot`: elsewhere the step timed 2.8x slower than eager, after a ~20-minute compile), and fp32
-    weights over a 16-bit KV cache (`kv_dtype`; default: `dtype`) a small model (AUTO_MAX_BLOCK_PARAMS, counted as
-    loaded)."""
+    int8 where fbgemm serves it eagerly (the rounding its compiled twin reproduces: model.linear.Int8Traced, or
+    where the CPU has no int8 dot products, Int8Extern calling fbgemm's kernel from the step); auto also needs fp32
+    (or quantized) weights, and fp32 weights over a 16-bit KV cache (`kv_dtype`; default: `dtype`) a small model
+    (AUTO_MAX_BLOCK_PARAMS, counted as loaded)."""
     if mode not in MODES:
         raise ValueError(f"compile must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off" or device.type != "cpu":
@@ -152,7 +151,7 @@ def resolve_mode(mode: str, model: GPT, device: torch.device, dtype: torch.dtype
     if quantize == "int8" and not cpu_support.support().fbgemm:
         return "off"
     if mode == "auto":
-        if dtype != torch.float32 or (quantize == "int8" and not cpu_support.support().int8_dot):
+        if dtype != torch.float32:
             return "off"
         if quantize != "none" or (kv_dtype or dtype).itemsize == 4:
             return "on"

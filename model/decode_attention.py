@@ -128,7 +128,6 @@ def register(cache) -> None:
         _CACHES[t.data_ptr()], _LAYERS[t.data_ptr()] = cache, i
 
 
-@torch.library.custom_op("gpt_serve::attend_as_eager", mutates_args=())
 def attend_as_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """One query a row (q: B, H, 1, D) over slots 0..B-1 of a live cache's layer (k, v: those slots' views, this
     step's keys already written; `visible`: the keys each row sees), computed as an eager decode step of those rows
@@ -155,6 +154,13 @@ def attend_as_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
                       for b, n in enumerate(lengths)]).to(q.dtype)
 
 
-@attend_as_eager.register_fake
+# an operator of the dispatcher's own, not `torch.library.custom_op`, whose Python wrapper cost ~10 us more a call from
+# a compiled step (model.linear's int8_matmul, measured the same way: docs/performance.md)
+_LIB = torch.library.Library("gpt_serve", "FRAGMENT")
+_LIB.define("attend_as_eager(Tensor q, Tensor k, Tensor v, Tensor visible) -> Tensor")
+_LIB.impl("attend_as_eager", attend_as_eager, "CPU")
+
+
+@torch.library.register_fake("gpt_serve::attend_as_eager", lib=_LIB)
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q)

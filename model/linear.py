@@ -32,11 +32,13 @@ keep `output` at 6 bits).
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import logging
 import os
 import time
 import warnings
+import weakref
 
 import torch
 import torch.nn as nn
@@ -276,10 +278,14 @@ class Int8Linear(_Served):
             raise FormatError("this int8 layer keeps only its dequantized weight")
         return self.q, self.scale
 
-    def traceable(self) -> Int8Traced:
-        """This layer as the ops a compiler reads (engine/compiled_decode.py), rounding as fbgemm's path does."""
+    def traceable(self, extern: bool | None = None) -> Int8Traced | Int8Extern:
+        """This layer as the ops a compiler reads (engine/compiled_decode.py), rounding as fbgemm's path does: its
+        matmul as inductor's int8 GEMM (Int8Traced) where the CPU has int8 dot products, else a call of fbgemm's
+        kernel (Int8Extern); `extern` chooses."""
         if self.fbgemm is None:
             raise FormatError("only fbgemm's int8 path (an x86 CPU) has a traceable twin")
+        if extern if extern is not None else not cpu_support.support().int8_dot:
+            return Int8Extern(self)
         return Int8Traced(*self.int8_weight(), self.bias)
 
     def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
@@ -359,6 +365,74 @@ class Int8Traced(_Served):
         x = qd.dequantize_per_tensor.default(xq, ACT_SCALE, ACT_ZERO, 0, 255, torch.uint8)
         w = qd.dequantize_per_channel.default(self.q, self.one, self.zero, 0, -128, 127, torch.int8)
         y = F.linear(x, w) * self.scale_over_span * m
+        if self.bias is not None:
+            y = y + self.bias
+        return _act(y.reshape(*shape[:-1], self.out_features).to(dtype), act)
+
+
+# the fbgemm-packed int8 layers a compiled step calls (`int8_matmul`), by their weights' digest (`Int8Extern`)
+_EXTERN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def weights_digest(*tensors: torch.Tensor | None) -> int:
+    """A 63-bit digest of the tensors' shapes and bytes: how a compiled step names the int8 layer it calls (the
+    same weights in another process, or loaded twice, get the same name; other weights another)."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        if t is not None:
+            h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+            h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def _int8_matmul(x: torch.Tensor, weight: int, out_features: int) -> torch.Tensor:
+    """fbgemm's int8 matmul of x (rows scaled and padded as Int8Linear.forward pads them) with the packed weight of
+    the Int8Linear whose digest is `weight` (`Int8Extern`): the eager kernel, called from a compiled step's C++ code
+    (AOTInductor's proxy executor), its bits the eager step's by construction."""
+    layer = _EXTERN.get(weight)
+    if layer is None:
+        raise RuntimeError(f"int8_matmul: no int8 layer with weights {weight:x} in this process")
+    return torch.ops.quantized.linear_dynamic(x, layer.fbgemm, True)
+
+
+# an operator of the dispatcher's own, not `torch.library.custom_op`: that one's Python wrapper cost ~33 us a call
+# (59 against 32 us with fbgemm's 26), once for each of GPT-2's 49 int8 layers a token (docs/performance.md)
+_LIB = torch.library.Library("gpt_serve", "FRAGMENT")
+_LIB.define("int8_matmul(Tensor x, int weight, int out_features) -> Tensor")
+_LIB.impl("int8_matmul", _int8_matmul, "CPU")
+
+
+@torch.library.register_fake("gpt_serve::int8_matmul", lib=_LIB)
+def _(x: torch.Tensor, weight: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+class Int8Extern(_Served):
+    """Int8Linear in a compiled step on a CPU without int8 dot products (cpu_support's `int8_dot`): the ops around
+    the matmul traced, so that inductor fuses them (eager runs them as ~6 small ATen ops a layer, 4-8 us each on an
+    AVX2 EPYC: GPT-2's 49 int8 layers spent ~80 us a call around fbgemm's 41), the matmul fbgemm's own kernel on the
+    layer's packed weight (`int8_matmul`). Where inductor's int8 GEMM has no VNNI it made GPT-2's compiled step 2.8x
+    slower than eager (docs/performance.md, "The AVX2 host class, measured"). The same ops as Int8Linear.forward
+    in the same order: the same bits. Holds the layer's digest (a compile key hashes it), not its weights."""
+
+    def __init__(self, layer: Int8Linear) -> None:
+        super().__init__()
+        self.out_features, self.in_features = layer.out_features, layer.in_features
+        self.weight_id = weights_digest(*layer.int8_weight(), layer.bias)
+        _EXTERN[self.weight_id] = layer
+        self.register_buffer("digest", torch.tensor([self.weight_id]))
+        self.register_buffer("bias", layer.bias)
+        self.register_buffer("pm", layer._pm.clone(), persistent=False)
+
+    def matrix_bytes(self) -> int:
+        return 0  # the layer's
+
+    def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x = x.reshape(-1, shape[-1]).float()
+        m = _row_max(x)
+        xn = torch.cat([x / m, self.pm.expand(x.shape[0], 2)], -1) * ROW_SPAN
+        y = torch.ops.gpt_serve.int8_matmul(xn, self.weight_id, self.out_features) * m
         if self.bias is not None:
             y = y + self.bias
         return _act(y.reshape(*shape[:-1], self.out_features).to(dtype), act)
@@ -452,9 +526,12 @@ class Int8Embedding(nn.Module):
     def weight_bytes(self) -> int:
         return self.q.numel() + self.scale.numel() * 4 + self.head_bytes
 
-    def traceable(self) -> tuple[Int8Table, Int8Traced]:
-        """The table and the head as the ops a compiler reads (Int8Linear.traceable), sharing the table's tensors."""
+    def traceable(self, extern: bool | None = None) -> tuple[Int8Table, Int8Traced | Int8Extern]:
+        """The table and the head as the ops a compiler reads (Int8Linear.traceable): the head over the table's
+        tensors, or where it calls fbgemm (`extern`), over the head's packed copy."""
         table = Int8Table(self.q, self.scale, self.dtype)
+        if self.head.fbgemm is not None and (extern if extern is not None else not cpu_support.support().int8_dot):
+            return table, Int8Extern(self.head)
         return table, Int8Traced(table.q, table.scale, None)
 
 

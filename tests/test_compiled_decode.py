@@ -211,20 +211,26 @@ def test_auto_compiles_fp32_and_quantized_models_on_a_cpu_only(monkeypatch):
         assert cd.resolve_mode("on", gpt2, cpu, torch.float32, fmt) == "on"
 
 
-@pytest.mark.parametrize("capability, flags, compiled", [
-    ("AVX512", {"avx512f", "avx512_vnni"}, True),  # Zen 4: inductor's int8 GEMM over VNNI, 2.1x eager
-    ("AVX512", {"avx512f", "amx_int8", "avx512_vnni"}, True),
-    ("AVX2", {"avx2", "fma"}, False),  # Zen 3: 2.8x slower than eager (docs/performance.md)
-    ("AVX2", {"avx2", "avx512_vnni"}, False),  # an AVX-512 CPU capped at AVX2 (ATEN_CPU_CAPABILITY)
-    ("AVX512", {"avx512f"}, False),  # AVX-512 without VNNI: not measured, so not compiled unasked
+@pytest.mark.parametrize("capability, flags, twin", [
+    ("AVX512", {"avx512f", "avx512_vnni"}, L.Int8Traced),  # Zen 4: inductor's int8 GEMM over VNNI, 2.1x eager
+    ("AVX512", {"avx512f", "amx_int8", "avx512_vnni"}, L.Int8Traced),
+    ("AVX2", {"avx2", "fma"}, L.Int8Extern),  # Zen 3: inductor's GEMM 2.8x slower than eager; fbgemm's called
+    ("AVX2", {"avx2", "avx512_vnni"}, L.Int8Extern),  # an AVX-512 CPU capped at AVX2 (ATEN_CPU_CAPABILITY)
+    ("AVX512", {"avx512f"}, L.Int8Extern),  # AVX-512 without VNNI
 ])
-def test_auto_compiles_int8_only_where_the_cpu_has_int8_dot_products(monkeypatch, capability, flags, compiled):
+def test_auto_compiles_int8_wherever_fbgemm_serves_it_with_the_cpu_s_twin(monkeypatch, capability, flags, twin):
+    """int8 compiles on every CPU where fbgemm serves it eagerly (auto then keeps the step where it times faster):
+    its matmuls as inductor's int8 GEMM where the CPU has int8 dot products, else fbgemm's own kernel called from
+    the step (before that twin, AVX2 hosts did not compile int8: a 21-minute compile of a 2.8x slower step)."""
     force_cpu(monkeypatch, capability=capability, flags=frozenset(flags))
     model, cpu = tiny_model(0, vocab_size=96, block_size=64), torch.device("cpu")
-    assert cd.resolve_mode("auto", model, cpu, torch.float32, "int8") == ("on" if compiled else "off")
-    assert cd.resolve_mode("on", model, cpu, torch.float32, "int8") == "on"  # asked for: compiled whatever the CPU
-    assert cd.resolve_mode("auto", model, cpu, torch.float32, "int4") == "on"  # int4 and fp32: timed at install
-    assert cd.resolve_mode("auto", model, cpu, torch.float32, "none") == "on"
+    for mode in ("auto", "on"):
+        for fmt in ("int8", "int4", "none"):
+            assert cd.resolve_mode(mode, model, cpu, torch.float32, fmt) == "on"
+    L.convert(model, "int8")
+    assert {type(m) for m in cd.plain_twin(model).modules()} >= {twin, L.Int8Table}
+    force_cpu(monkeypatch, capability=capability, flags=frozenset(flags), fbgemm=False)
+    assert cd.resolve_mode("auto", model, cpu, torch.float32, "int8") == "off"
 
 
 def slow_stand_in(monkeypatch, delay: float) -> list:
@@ -331,7 +337,8 @@ def test_quantized_steps_compile_from_their_traceable_twins(monkeypatch, quantiz
     assert core.stats()["compiled_decode"]
     twin = next(iter(built.values())).model
     kinds = {type(m) for m in twin.modules()}
-    assert (L.Int8Traced in kinds) and (L.Int4Traced in kinds) == (quantize == "int4") and L.Int8Table in kinds
+    int8_twin = L.Int8Traced if L.cpu_support.support().int8_dot else L.Int8Extern  # inductor's GEMM, or fbgemm's
+    assert (int8_twin in kinds) and (L.Int4Traced in kinds) == (quantize == "int4") and L.Int8Table in kinds
     alone = run(core, together=False)
     assert calls
     eager = run(make_core("off", quantize=quantize), together=False)
@@ -601,9 +608,11 @@ def test_packages_keep_one_copy_of_their_constants(tmp_path, monkeypatch):
     assert {c: t.data_ptr() for c, t in a.items()} == {c: t.data_ptr() for c, t in b.items()}
 
 
-def test_a_compiled_int8_row_is_fbgemm_s_row_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("extern", [False, True])
+def test_a_compiled_int8_row_is_fbgemm_s_row_bit_for_bit(tmp_path, extern):
     """Real AOTInductor (the server's options) over an int8 layer's traceable twin, GPT-2's MLP projection width:
-    inductor's fused u8 x s8 GEMM returns what fbgemm's eager kernel returns, bit for bit, for rows with values a
+    inductor's fused u8 x s8 GEMM (or where the CPU lacks int8 dot products, fbgemm's kernel called from the step:
+    `extern`) returns what fbgemm's eager kernel returns, bit for bit, for rows with values a
     hair off a rounding tie (where fl(x + 64) and round(x) + 64 part). Within float rounding was not enough: GPT-2
     int8 compiled left its eager greedy tokens after 24 of 128 before the twin rounded and scaled as fbgemm does."""
     if not L.cpu_support.support().fbgemm:
@@ -612,7 +621,7 @@ def test_a_compiled_int8_row_is_fbgemm_s_row_bit_for_bit(tmp_path):
 
     torch.manual_seed(0)
     m = L.Int8Linear(*L.quantize_int8(torch.randn(64, 3072) * 0.02), torch.randn(64) * 0.01, torch.float32)
-    twin = m.traceable().eval()
+    twin = m.traceable(extern).eval()
     x = int8_rows_at_rounding_ties(3072)
     store = tmp_path / cd.WEIGHTS
     store.mkdir()

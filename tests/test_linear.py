@@ -198,7 +198,7 @@ def test_int8_traced_twin_equals_fbgemm_bit_for_bit(in_f):
     m = L.Int8Linear(*L.quantize_int8(lin.weight), lin.bias, torch.float32)
     q, scale = m.int8_weight()
     assert all(torch.equal(a, b) for a, b in zip((q, scale), L.quantize_int8(lin.weight)))
-    twin = m.traceable()
+    twin = m.traceable(extern=False)
     x = int8_rows_at_rounding_ties(in_f)
     with torch.inference_mode():
         for act in (None, torch.nn.GELU(approximate="tanh")):
@@ -206,17 +206,70 @@ def test_int8_traced_twin_equals_fbgemm_bit_for_bit(in_f):
             assert torch.equal(torch.cat([twin(r[None], act) for r in x]), m(x, act))
 
 
+@pytest.mark.parametrize("in_f", [64, 3072])
+def test_int8_extern_twin_calls_fbgemm_with_the_eager_bits(in_f):
+    """Where the CPU has no int8 dot products the compiled step's int8 layer is the ops around fbgemm's matmul,
+    the matmul a call of fbgemm's kernel on the layer's own packed copy (model.linear.int8_matmul, found by the
+    weights' digest): rows at rounding ties give eager's bits, alone or batched, with and without the activation.
+    tests/test_compiled_decode.py compiles it and checks the same."""
+    if not support().fbgemm:
+        pytest.skip("no fbgemm in this torch build or CPU")
+    lin = layer(64, in_f)
+    m = L.Int8Linear(*L.quantize_int8(lin.weight), lin.bias, torch.float32)
+    twin = m.traceable(extern=True)
+    assert type(twin) is L.Int8Extern and twin.weight_id == L.weights_digest(*L.quantize_int8(lin.weight), lin.bias)
+    assert {n for n, _ in twin.named_buffers()} == {"digest", "bias", "pm"}  # no weights: the layer's are called
+    x = int8_rows_at_rounding_ties(in_f)
+    with torch.inference_mode():
+        for act in (None, torch.nn.GELU(approximate="tanh")):
+            assert torch.equal(twin(x, act), m(x, act))
+            assert torch.equal(torch.cat([twin(r[None], act) for r in x]), m(x, act))
+
+
+def test_int8_extern_names_other_weights_otherwise_and_fails_once_its_layer_is_gone():
+    if not support().fbgemm:
+        pytest.skip("no fbgemm in this torch build or CPU")
+    a = L.Int8Linear(*L.quantize_int8(layer(48, 64, seed=0).weight), None, torch.float32)
+    b = L.Int8Linear(*L.quantize_int8(layer(48, 64, seed=1).weight), None, torch.float32)
+    again = L.Int8Linear(*L.quantize_int8(layer(48, 64, seed=0).weight), None, torch.float32)
+    ta, tb = a.traceable(extern=True), b.traceable(extern=True)
+    assert ta.weight_id != tb.weight_id and again.traceable(extern=True).weight_id == ta.weight_id
+    x = torch.randn(2, 64)
+    with torch.inference_mode():
+        assert torch.equal(tb(x), b(x))
+        del a, again
+        import gc
+
+        gc.collect()
+        with pytest.raises(RuntimeError, match=f"no int8 layer with weights {ta.weight_id:x}"):
+            ta(x)
+
+
+def test_int8_twins_follow_the_cpu_s_int8_dot_products(monkeypatch):
+    """inductor's int8 GEMM where the CPU has int8 dot products (AVX-512 VNNI / AMX), fbgemm's kernel called
+    elsewhere; the tied head likewise."""
+    if not support().fbgemm:
+        pytest.skip("no fbgemm in this torch build or CPU")
+    m = L.Int8Linear(*L.quantize_int8(layer().weight), None, torch.float32)
+    emb = L.Int8Embedding(torch.randn(40, 64) * 0.1, torch.float32)
+    for dot, kind in ((True, L.Int8Traced), (False, L.Int8Extern)):
+        force_cpu(monkeypatch, capability="AVX512" if dot else "AVX2",
+                  flags=frozenset({"avx512f", "avx512_vnni"} if dot else {"avx2", "fma"}))
+        assert type(m.traceable()) is kind and type(emb.traceable()[1]) is kind
+
+
 def test_int8_table_twin_looks_up_and_heads_as_the_table_does():
     if not support().fbgemm:
         pytest.skip("no fbgemm in this torch build or CPU")
     emb = L.Int8Embedding(torch.randn(40, 64) * 0.1, torch.float32)
-    table, head = emb.traceable()
     idx = torch.tensor([[3, 0, 39]])
     h = torch.randn(2, 64)
-    with torch.inference_mode():
-        assert torch.equal(table(idx), emb(idx))
-        assert torch.equal(head(h), emb.head(h))
-    assert table.q is head.q  # one table for both
+    for extern in (False, True):
+        table, head = emb.traceable(extern)
+        with torch.inference_mode():
+            assert torch.equal(table(idx), emb(idx))
+            assert torch.equal(head(h), emb.head(h))
+        assert table.q is head.q if not extern else type(head) is L.Int8Extern  # one table for both, or fbgemm's
 
 
 def test_int4_traced_twin_is_the_layer_with_its_tensors_as_buffers():

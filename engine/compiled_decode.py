@@ -62,7 +62,8 @@ from model.gpt import GPT
 from model.kv_cache import KVCache
 from model.linear import Int4Linear, Int8Embedding, Int8Extern, Int8Linear, Int8Traced, PackedLinear
 
-QUANTIZED = (Int8Linear, Int8Traced, Int8Extern, Int4Linear, Int8Embedding)  # served, and their twins (Int4Traced: an Int4Linear)
+# served, and their twins (Int4Traced: an Int4Linear)
+QUANTIZED = (Int8Linear, Int8Traced, Int8Extern, Int4Linear, Int8Embedding)
 
 log = logging.getLogger(__name__)
 

@@ -42,9 +42,10 @@ class CpuSupport:
     @property
     def int8_dot(self) -> bool:
         """int8 dot products in hardware under an AVX-512 capability (AVX512-VNNI or AMX-INT8), which inductor's
-        int8 GEMM uses: where a compiled int8 decode step was measured faster than fbgemm's eager one (2.1x on a
-        Zen 4). On an AVX2-only EPYC (Zen 3) the compiled step timed 2.8x slower (docs/performance.md, "The AVX2 host
-        class, measured"); AVX2 with AVX-VNNI is not measured."""
+        int8 GEMM uses: where a compiled int8 decode step's matmuls are inductor's (model.linear.Int8Traced; 2.1x
+        fbgemm's eager step on a Zen 4). Elsewhere they are fbgemm's own kernel called from the step
+        (Int8Extern): on an AVX2-only EPYC (Zen 3) inductor's timed 2.8x slower than eager (docs/performance.md,
+        "The AVX2 host class, measured"). AVX2 with AVX-VNNI and AVX-512 without VNNI are not measured."""
         return self.capability.startswith("AVX512") and bool(self.flags & {"avx512_vnni", "amx_int8"})
 
     def packs(self, dtype: torch.dtype) -> bool:

@@ -14,8 +14,9 @@ the layout its kernel reads (gpt-fast's quantize.py: `WeightOnlyInt8Linear` swap
 - `Int4Linear`    int4 in groups along the input (asymmetric: scale and zero point per group of 32-256), through
                   PyTorch's `_weight_int4pack_mm_for_cpu` (bf16 activations) or `_weight_int4pack_mm` on CUDA.
 - `traceable()`   each quantized module's twin for a compiled decode step (engine/compiled_decode.py): `Int8Traced`
-                  (fbgemm's arithmetic as the quantization ops inductor fuses into its int8 GEMM), `Int4Traced`,
-                  `Int8Table` (the tied table's lookup).
+                  (fbgemm's arithmetic as the quantization ops inductor fuses into its int8 GEMM; CPUs with int8 dot
+                  products), `Int8Extern` (the ops around the matmul, fbgemm's kernel called from the step; other
+                  CPUs), `Int4Traced`, `Int8Table` (the tied table's lookup).
 
 Measured with `bench/kernels.py` (the table is in docs/performance.md): on an AVX-512 CPU oneDNN's packed copy
 beats MKL at every row count (a column-major copy for MKL's GEMV, which an Intel Xeon ran faster at one row, is
@@ -395,8 +396,9 @@ def _int8_matmul(x: torch.Tensor, weight: int, out_features: int) -> torch.Tenso
     return torch.ops.quantized.linear_dynamic(x, layer.fbgemm, True)
 
 
-# an operator of the dispatcher's own, not `torch.library.custom_op`: that one's Python wrapper cost ~33 us a call
-# (59 against 32 us with fbgemm's 26), once for each of GPT-2's 49 int8 layers a token (docs/performance.md)
+# an operator of the dispatcher's own, not `torch.library.custom_op`, whose Python wrapper cost ~10 us more a call
+# from a compiled step (one 768 -> 768 row: 68.5 against 58.4 us, fbgemm alone 59; from Python 59 against 32), once
+# for each of GPT-2's 49 int8 layers a token (docs/performance.md, "int8 compiled without int8 dot products")
 _LIB = torch.library.Library("gpt_serve", "FRAGMENT")
 _LIB.define("int8_matmul(Tensor x, int weight, int out_features) -> Tensor")
 _LIB.impl("int8_matmul", _int8_matmul, "CPU")

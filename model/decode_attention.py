@@ -17,6 +17,7 @@ entries are masked to exact zeros. Compiling takes seconds (inductor's FX graph 
 
 from __future__ import annotations
 
+import threading
 import types
 import weakref
 from collections.abc import Callable
@@ -143,15 +144,23 @@ def attend_as_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
         raise RuntimeError("attend_as_eager: its keys and values are not slots 0.. of a live KV cache's layer")
     cv = cache.v[_LAYERS[ptr]]
     B, H, _, D = q.shape
-    # q in the layout of an eager step's query: the loops would compile again for another (`eager_query`)
-    eager_q = eager_query(B, H, D, q.dtype).copy_(q)
-    lengths = visible.tolist()
+    # q in the layout of an eager step's query: the loops would compile again for another (`eager_query`); one such
+    # tensor kept per thread and shape, not made a call (GPT-2's 12 calls a token: 153 -> 134 us each, an A/B in one
+    # process, docs/performance.md "int8 compiled without int8 dot products")
+    where = (threading.get_ident(), B, H, D, q.dtype)
+    eager_q = _QUERIES.get(where)
+    if eager_q is None:
+        eager_q = _QUERIES[where] = eager_query(B, H, D, q.dtype)
+    eager_q.copy_(q)
     if cache.decode_attention is not None:
-        S = read_len(max(lengths), cache.max_len)
+        S = read_len(int(visible.max()), cache.max_len)
         return cache.decode_attention(eager_q, ck, cv, 0, B, S, visible.contiguous())
     eager_q = eager_q.to(ck.dtype)
     return torch.cat([F.scaled_dot_product_attention(eager_q[b:b + 1], ck[b:b + 1, :, :n], cv[b:b + 1, :, :n])
-                      for b, n in enumerate(lengths)]).to(q.dtype)
+                      for b, n in enumerate(visible.tolist())]).to(q.dtype)
+
+
+_QUERIES: dict[tuple, torch.Tensor] = {}  # attend_as_eager's query in the eager layout, per thread and shape
 
 
 # an operator of the dispatcher's own, not `torch.library.custom_op`, whose Python wrapper cost ~10 us more a call from

@@ -145,9 +145,10 @@ def attend_as_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     cv = cache.v[_LAYERS[ptr]]
     B, H, _, D = q.shape
     # q in the layout of an eager step's query: the loops would compile again for another (`eager_query`); one such
-    # tensor kept per thread and shape, not made a call (GPT-2's 12 calls a token: 153 -> 134 us each, an A/B in one
-    # process, docs/performance.md "int8 compiled without int8 dot products")
-    where = (threading.get_ident(), B, H, D, q.dtype)
+    # tensor kept per thread, shape and inference mode (an inference tensor cannot be written outside it, and the
+    # loops guard on it), not made a call (GPT-2's 12 calls a token: 153 -> 134 us each, an A/B in one process,
+    # docs/performance.md "int8 compiled without int8 dot products")
+    where = (threading.get_ident(), B, H, D, q.dtype, torch.is_inference_mode_enabled())
     eager_q = _QUERIES.get(where)
     if eager_q is None:
         eager_q = _QUERIES[where] = eager_query(B, H, D, q.dtype)
@@ -160,7 +161,7 @@ def attend_as_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
                       for b, n in enumerate(visible.tolist())]).to(q.dtype)
 
 
-_QUERIES: dict[tuple, torch.Tensor] = {}  # attend_as_eager's query in the eager layout, per thread and shape
+_QUERIES: dict[tuple, torch.Tensor] = {}  # attend_as_eager's query in the eager layout, per thread, shape and mode
 
 
 # an operator of the dispatcher's own, not `torch.library.custom_op`, whose Python wrapper cost ~10 us more a call from

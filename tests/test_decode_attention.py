@@ -305,6 +305,27 @@ def test_attending_as_eager_refuses_tensors_that_are_not_a_live_cache_s():
         torch.ops.gpt_serve.attend_as_eager(q, cache.k[0], cache.v[1], torch.ones(1, dtype=torch.long))
 
 
+@pytest.mark.parametrize("with_loops", [True, False], ids=["loops", "sdpa"])
+def test_attending_as_eager_in_and_out_of_inference_mode_gives_one_answer(with_loops):
+    """`attend_as_eager` keeps its eager-layout query between calls, one per inference mode: a buffer made in
+    inference mode cannot be written outside it (a compiled step under inference mode, then a check under no_grad,
+    then the step again)."""
+    cache = KVCache(GPTConfig(vocab_size=128, block_size=256, n_layer=1, n_head=4, n_embd=64), 2, 256)
+    if with_loops:
+        cache.decode_attention = decode_attention.build(cache.k[0])
+    g = torch.Generator().manual_seed(0)
+    cache.k[0][:1, :, :100] = torch.randn(1, 4, 100, 16, generator=g)
+    cache.v[0][:1, :, :100] = torch.randn(1, 4, 100, 16, generator=g)
+    q, visible = torch.randn(1, 4, 1, 16, generator=g), torch.tensor([90])
+    answers = []
+    for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode, torch.no_grad):
+        with mode():
+            answers.append(torch.ops.gpt_serve.attend_as_eager(q, cache.k[0][:1], cache.v[0][:1], visible))
+    assert all(torch.equal(a, answers[0]) for a in answers)
+    torch.testing.assert_close(answers[0], torch.nn.functional.scaled_dot_product_attention(
+        q, cache.k[0][:1, :, :90], cache.v[0][:1, :, :90]), atol=1e-5, rtol=1e-5)
+
+
 def test_the_engine_s_calls_never_compile_the_loops_again():
     """Every call a server makes reuses a graph `build` made: one row and several, slots other than 0 (a one-token
     prefill after a prefix reuse), short lengths and the whole cache, the eager step's query layout, and a compiled

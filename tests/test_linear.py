@@ -209,7 +209,7 @@ def test_int8_traced_twin_equals_fbgemm_bit_for_bit(in_f):
 @pytest.mark.parametrize("in_f", [64, 3072])
 def test_int8_extern_twin_calls_fbgemm_with_the_eager_bits(in_f):
     """Where the CPU has no int8 dot products the compiled step's int8 layer is the ops around fbgemm's matmul,
-    the matmul a call of fbgemm's kernel on the layer's own packed copy (model.linear.int8_matmul, found by the
+    the matmul a call of fbgemm's kernel on the layer's own packed copy (`gpt_serve::int8_matmul`, found by the
     weights' digest): rows at rounding ties give eager's bits, alone or batched, with and without the activation.
     tests/test_compiled_decode.py compiles it and checks the same."""
     if not support().fbgemm:

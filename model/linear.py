@@ -285,7 +285,7 @@ class Int8Linear(_Served):
         kernel (Int8Extern); `extern` chooses."""
         if self.fbgemm is None:
             raise FormatError("only fbgemm's int8 path (an x86 CPU) has a traceable twin")
-        if extern if extern is not None else not cpu_support.support().int8_dot:
+        if _extern_twin(extern):
             return Int8Extern(self)
         return Int8Traced(*self.int8_weight(), self.bias)
 
@@ -293,13 +293,8 @@ class Int8Linear(_Served):
         shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, shape[-1])
         if self.fbgemm is not None:
-            x = x.float()
-            m = _row_max(x)
-            # scaled in place by a Python scalar: new tensors for the scalings cost GPT-2's 48 one-row int8 matmuls 8%
-            xn = torch.cat([x / m, self._pm.expand(x.shape[0], 2)], -1).mul_(ROW_SPAN)
-            y = torch.ops.quantized.linear_dynamic(xn, self.fbgemm, True).mul_(m)
-            if self.bias is not None:
-                y = y.add_(self.bias)
+            y = fbgemm_rows(x.float(), self._pm, self.bias,
+                            lambda xn: torch.ops.quantized.linear_dynamic(xn, self.fbgemm, True))
         elif self.weight is not None:
             y = F.linear(x, self.weight, self.bias)
         elif x.device.type == "cpu":
@@ -315,6 +310,23 @@ class Int8Linear(_Served):
 def _row_max(x: torch.Tensor) -> torch.Tensor:
     """Each row's max |x| (rows, 1), what Int8Linear divides a row by before fbgemm quantizes it; never 0."""
     return x.abs().amax(-1, keepdim=True).clamp_(min=1e-30)
+
+
+def fbgemm_rows(x: torch.Tensor, pm: torch.Tensor, bias: torch.Tensor | None, matmul) -> torch.Tensor:
+    """fbgemm's int8 rows as Int8Linear computes them, eager or traced (Int8Extern): each row of x (fp32, 2-D)
+    scaled to span ROW_SPAN and padded with the two ±ROW_SPAN inputs (`pm`: [1, -1]), `matmul` (fbgemm's kernel on
+    the packed weight), then times the row's max, plus the bias."""
+    m = _row_max(x)
+    # scaled in place by a Python scalar: new tensors for the scalings cost GPT-2's 48 one-row int8 matmuls 8%
+    xn = torch.cat([x / m, pm.expand(x.shape[0], 2)], -1).mul_(ROW_SPAN)
+    y = matmul(xn).mul_(m)
+    return y if bias is None else y.add_(bias)
+
+
+def _extern_twin(extern: bool | None) -> bool:
+    """Whether an int8 layer's compiled twin calls fbgemm (Int8Extern) rather than inductor's int8 GEMM
+    (Int8Traced): as asked, else where the CPU has no int8 dot products (cpu_support's `int8_dot`)."""
+    return extern if extern is not None else not cpu_support.support().int8_dot
 
 
 # fbgemm's quantization of Int8Linear's rows, scaled to span exactly [-ROW_SPAN, ROW_SPAN]: with reduce_range its
@@ -415,7 +427,7 @@ class Int8Extern(_Served):
     AVX2 EPYC: GPT-2's 49 int8 layers spent ~80 us a call around fbgemm's 41), the matmul fbgemm's own kernel on the
     layer's packed weight (`int8_matmul`). Where inductor's int8 GEMM has no VNNI it made GPT-2's compiled step 2.8x
     slower than eager (docs/performance.md, "The AVX2 host class, measured"). The same ops as Int8Linear.forward
-    in the same order: the same bits. Holds the layer's digest (a compile key hashes it), not its weights."""
+    (`fbgemm_rows`, shared): the same bits. Holds the layer's digest (a compile key hashes it), not its weights."""
 
     def __init__(self, layer: Int8Linear) -> None:
         super().__init__()
@@ -431,12 +443,8 @@ class Int8Extern(_Served):
 
     def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
-        x = x.reshape(-1, shape[-1]).float()
-        m = _row_max(x)
-        xn = torch.cat([x / m, self.pm.expand(x.shape[0], 2)], -1) * ROW_SPAN
-        y = torch.ops.gpt_serve.int8_matmul(xn, self.weight_id, self.out_features) * m
-        if self.bias is not None:
-            y = y + self.bias
+        y = fbgemm_rows(x.reshape(-1, shape[-1]).float(), self.pm, self.bias,
+                        lambda xn: torch.ops.gpt_serve.int8_matmul(xn, self.weight_id, self.out_features))
         return _act(y.reshape(*shape[:-1], self.out_features).to(dtype), act)
 
 
@@ -532,7 +540,7 @@ class Int8Embedding(nn.Module):
         """The table and the head as the ops a compiler reads (Int8Linear.traceable): the head over the table's
         tensors, or where it calls fbgemm (`extern`), over the head's packed copy."""
         table = Int8Table(self.q, self.scale, self.dtype)
-        if self.head.fbgemm is not None and (extern if extern is not None else not cpu_support.support().int8_dot):
+        if self.head.fbgemm is not None and _extern_twin(extern):
             return table, Int8Extern(self.head)
         return table, Int8Traced(table.q, table.scale, None)
 

@@ -265,7 +265,7 @@ class ModelRunner:
             if self.compile == "on":
                 self._compile_decode()
             if self.compile_attention:
-                self._attention = compiled_attention.AttentionBuild(self.cache, self.dtype)
+                self._attention = compiled_attention.AttentionBuild(self.cache, self.dtype, self.compile_cache)
                 self._attention.start()
             if not self.cache.resident:  # after every start-up timing: its memory traffic would disturb them
                 self._filling = ResidentFill(self.cache).start()
@@ -351,8 +351,8 @@ class ModelRunner:
                         str(self.kv_dtype).removeprefix("torch."), built.error)
             return
         self.cache.decode_attention = built.fn
-        log.info("decode attention over the %s cache compiled in %.1f s", str(self.kv_dtype).removeprefix("torch."),
-                 built.seconds)
+        log.info("decode attention over the %s cache %s in %.1f s", str(self.kv_dtype).removeprefix("torch."),
+                 "loaded from the compile cache" if built.source == "cache" else "compiled", built.seconds)
 
     def _install_compiled(self) -> None:
         """Use the compiled steps if their replay equals the eager step on the live cache (and, under auto, their

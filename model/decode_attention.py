@@ -4,23 +4,27 @@ A decode step attends one query per row over the keys its slot holds, read from 
 head, first S entries). PyTorch's CPU attention in bf16 copies such views before its matmuls (16 rows x 12 heads
 x 300 keys: 2.4 ms a layer against fp32's 0.37, 2 threads on an avx512_bf16 EPYC), and per-row calls, which keep a
 row's result the same alone or batched, cost a call each. Written out here as reductions (scores, softmax, p.V),
-`torch.compile` (dynamic batch and length) turns them into C++ loops that read the cache as stored (bf16: half
-fp32's bytes) and compute in fp32: bf16 0.24 ms at 16 rows, 1.8 ms at 64 (fp32 SDPA: 0.37 / 5.1; fp32 loops 0.27 /
-2.9), 41 us at one row (fp32 SDPA: 31; docs/performance.md, "Decode attention through compiled loops").
+inductor (ahead of time, AOTInductor: dynamic batch and length) turns them into C++ loops that read the cache as
+stored (bf16: half fp32's bytes) and compute in fp32: bf16 0.24 ms at 16 rows, 1.8 ms at 64 (fp32 SDPA: 0.37 /
+5.1; fp32 loops 0.27 / 2.9), 41 us at one row (fp32 SDPA: 31; docs/performance.md, "Decode attention through
+compiled loops").
 
 A row gets the same result alone or batched: keys are read in whole blocks of KEY_BLOCK (`read_len`), so a row's
 sums run over the same lanes in the same order whether the batch's longest row is its own or longer; the extra
-entries are masked to exact zeros. Compiling takes seconds (inductor's FX graph cache on disk makes a restart's
-~1-2 s), so the engine compiles in the background (`build`) and hands the result to its cache between steps
-(`KVCache.decode_attention`); until then, or where a compile fails, CacheStep.attend keeps its per-row SDPA calls.
+entries are masked to exact zeros. Compiling takes ~12 s, so the engine compiles in the background (`build`;
+engine/compiled_attention.py keeps the package on disk: a restart loads it in milliseconds) and hands the result to
+its cache between steps (`KVCache.decode_attention`); until then, or where a compile fails, CacheStep.attend keeps
+its per-row SDPA calls.
 """
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 import threading
-import types
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -44,52 +48,87 @@ def read_len(kv_len: int, max_len: int) -> int:
     return min(-(-kv_len // KEY_BLOCK) * KEY_BLOCK, max_len)
 
 
-def attend_slots(q: torch.Tensor, slots_k: torch.Tensor, slots_v: torch.Tensor, S: int,
-                 visible: torch.Tensor) -> torch.Tensor:
-    """`attend` over the first S entries of consecutive slots of one layer's cache (views of its whole tensors, one
-    row per slot): compiled, the cache's strides and its other dimensions stay constants of the loops (H and D
-    unrolled and vectorised), and only the rows and S vary. The slots are sliced before the call, not inside it: a
-    slot number inside would be one more guarded value (a recompile per slot, at serve time)."""
-    return attend(q, slots_k[:, :, :S], slots_v[:, :, :S], visible)
+class SlotsAttention(torch.nn.Module):
+    """`attend` over the first S entries of consecutive slots of one layer's cache, as exported and compiled ahead of
+    time (`build`): q (rows, H, 1, D) in the eager layout (`eager_query`), the slots' whole keys and values (rows,
+    H, max_len, D: views of the cache's tensors, so their strides are constants of the loops), `positions` (S,) the
+    entries read (arange(S): S comes in as its size) and `visible` (rows,). The keys are read as (rows, S, H, D),
+    transposed views: sliced as (rows, H, S, D), the view is contiguous exactly when S is the whole cache, a guard
+    that export refuses over a dynamic S up to max_len (inductor fuses both into the same loops, bit for bit)."""
+
+    def forward(self, q: torch.Tensor, slots_k: torch.Tensor, slots_v: torch.Tensor, positions: torch.Tensor,
+                visible: torch.Tensor) -> torch.Tensor:
+        S = positions.size(0)
+        # (rows, S, H, D) in fp32: converted whole (of a view of S entries, the copy would keep its layout where it is
+        # dense, which is one more such guard), which inductor fuses into the loops reading S entries
+        k, v = slots_k.float().transpose(1, 2)[:, :S], slots_v.float().transpose(1, 2)[:, :S]
+        scores = (q.transpose(1, 2).float() * k).sum(-1) * (q.size(-1) ** -0.5)  # (rows, S, H)
+        p = torch.softmax(scores.masked_fill(positions[None, :, None] >= visible[:, None, None], float("-inf")), 1)
+        return (p.unsqueeze(-1) * v).sum(1, keepdim=True).transpose(1, 2).to(q.dtype)
 
 
 def eager_query(rows: int, H: int, D: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An empty (rows, H, 1, D) query laid out as an eager decode step's (a view of the (rows, 1, 3·H·D) output of
-    the qkv matmul): the compiled loops are specialised to their inputs' strides, so every call (the warm-up
-    below, `attend_as_eager`) hands them this layout, else it compiles again while serving."""
+    the qkv matmul): the compiled loops are specialised to their inputs' strides, so every call hands them this
+    layout (`Loops` copies another into it)."""
     return torch.empty(rows, 1, 3 * H * D, dtype=dtype)[:, :, :H * D].view(rows, 1, H, D).transpose(1, 2)
 
 
-def build(cache_k: torch.Tensor, q_dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor]:
-    """Compile `attend_slots` for caches shaped like `cache_k` (n_slots, H, max_len, D) and queries of `q_dtype`,
-    and run it on one row and on several, at a length short of the cache, a second one and the whole cache, so that
-    every graph a server's steps need exists (torch.compile's automatic dynamic shapes: general in rows and length
-    after a second shape; one row and the whole cache are graphs of their own) before a request needs it; raises
-    what the compile raises. Returns `loops(q, cache_k, cache_v, first, rows, S, visible)`: slots first..first+rows-1
-    of one layer's whole cache tensors."""
-    # dynamo keeps its graphs on the function's code object, at most 8 (recompile_limit; past it, with fullgraph, a
-    # call raises: the step fails): a code object of its own per build, so caches of other shapes in one process
-    # (tests, a draft model's) do not add up to that limit, and every call in the layout warmed here (slots sliced
-    # outside, `eager_query`, tensors made outside inference mode as the cache's are): GPT-2 int8 over a bf16 cache
-    # hit the limit while serving when its query's strides, a slot number and an inference-mode scratch cache each
-    # compiled again (docs/performance.md)
-    own = types.FunctionType(attend_slots.__code__.replace(), attend_slots.__globals__, attend_slots.__name__)
-    fn = torch.compile(own, fullgraph=True)
+class Loops:
+    """The compiled attention of one cache's layers, called as `loops(q, cache_k, cache_v, first, rows, S, visible)`:
+    slots first..first+rows-1 of one layer's whole cache tensors, their first S entries. One AOTInductor package
+    (dynamic rows and S) run by its C++ runner straight from here: the same loops through `torch.compile` cost
+    dynamo's frame and AOT autograd's and inductor's Python wrappers, ~40-100 us a call beside a kernel of 20-70
+    (a one-row call over 64 / 256 keys: 23 / 67 us against 66-131 / 103-166; docs/performance.md, "Decode attention
+    without wrappers")."""
 
-    def loops(q, cache_k, cache_v, first, rows, S, visible):
-        return fn(q, cache_k[first:first + rows], cache_v[first:first + rows], S, visible)
+    def __init__(self, package: str, cache_k: torch.Tensor, q_dtype: torch.dtype) -> None:
+        self._run = torch._inductor.aoti_load_package(package).loader.run
+        n_slots, self.H, max_len, self.D = self.shape = cache_k.shape
+        self.dtype, self.q_dtype = cache_k.dtype, q_dtype
+        self._positions = torch.arange(max_len)
+        self._q_stride = eager_query(2, self.H, self.D).stride()
 
+    def __call__(self, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, first: int, rows: int, S: int,
+                 visible: torch.Tensor) -> torch.Tensor:
+        if cache_k.shape[1:] != self.shape[1:] or cache_k.dtype != self.dtype or rows > self.shape[0]:
+            # the loops would read past another cache's slots (one with fewer, a scratch cache's, reads as this one)
+            raise ValueError(f"these loops attend over up to {self.shape[0]} rows of (slots, "
+                             f"{', '.join(map(str, self.shape[1:]))}) {self.dtype} caches, not {rows} of "
+                             f"{tuple(cache_k.shape)} {cache_k.dtype}")
+        if q.stride() != self._q_stride or q.dtype != self.q_dtype:  # the package reads the layout it was built for
+            q = eager_query(rows, self.H, self.D, self.q_dtype).copy_(q)
+        return self._run([q, cache_k[first:first + rows], cache_v[first:first + rows], self._positions[:S],
+                          visible.long()])[0]
+
+
+def export(cache_k: torch.Tensor, q_dtype: torch.dtype = torch.float32) -> torch.export.ExportedProgram:
+    """`SlotsAttention` for caches shaped like `cache_k` (n_slots, H, max_len, D), queries of `q_dtype`: rows
+    1..n_slots and S 1..max_len dynamic (a cache of one slot or two entries: static there)."""
     n_slots, H, max_len, D = cache_k.shape
+    k = torch.zeros_like(cache_k)
+    rows, S = min(3, n_slots), min(2 * KEY_BLOCK, max_len - 1)  # examples of 1 would specialise
+    example = (eager_query(rows, H, D, q_dtype).zero_(), k[:rows], k[:rows], torch.arange(S),
+               torch.ones(rows, dtype=torch.long))
+    dim_rows = torch.export.Dim("rows", min=1, max=n_slots) if n_slots > 1 else None
+    dim_s = torch.export.Dim("S", min=1, max=max_len) if max_len > 2 else None
+    return torch.export.export(SlotsAttention(), example, dynamic_shapes=(
+        {0: dim_rows}, {0: dim_rows}, {0: dim_rows}, {0: dim_s}, {0: dim_rows}))
+
+
+def build(cache_k: torch.Tensor, q_dtype: torch.dtype = torch.float32, package: str | Path | None = None) -> Loops:
+    """The compiled attention for caches shaped like `cache_k` (n_slots, H, max_len, D) and queries of `q_dtype`:
+    AOTInductor's package of `export`, loaded from `package` if that file exists, else compiled (~12 s on a 2-vCPU
+    EPYC; written to `package` when given), then checked against SDPA (`_check`); raises what the compile, the
+    load or the check raises."""
+    with contextlib.ExitStack() as stack:
+        if package is None or not Path(package).is_file():
+            if package is None:
+                package = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "attention.pt2"
+            torch._inductor.aoti_compile_and_package(export(cache_k, q_dtype), package_path=str(package))
+        loops = Loops(str(package), cache_k, q_dtype)
     k, v = torch.zeros_like(cache_k), torch.zeros_like(cache_k)
-    # per kind of row count (one; several): a first shape, a second length (now general in it), the whole cache
-    lengths = sorted({min(KEY_BLOCK, max_len), min(2 * KEY_BLOCK, max_len), max_len})
-    shapes = [(1, S) for S in lengths]
-    if n_slots >= 3:
-        shapes = [(2, lengths[0]), *((3, S) for S in lengths[1:]), *shapes]
-    with torch.inference_mode():  # as the engine's steps run (a guard: another mode would compile again)
-        for rows, S in shapes:
-            loops(eager_query(rows, H, D, q_dtype).zero_(), k, v, 0, rows, S, torch.ones(rows, dtype=torch.long))
-        _check(loops, k, v, rows=min(n_slots, 3), q_dtype=q_dtype)
+    _check(loops, k, v, rows=min(cache_k.size(0), 3), q_dtype=q_dtype)
     return loops
 
 

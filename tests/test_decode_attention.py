@@ -87,14 +87,14 @@ def test_a_row_decodes_as_it_does_alone_whatever_its_batch(dtype):
         assert torch.equal(attend([r, 0])[:1], batched[r:r + 1]), r  # beside the longest row
 
 
-def test_a_bf16_cache_through_the_loops_stays_close_to_full_recompute(loops):
+def test_a_bf16_cache_through_the_loops_stays_close_to_full_recompute():
     model = tiny_model(seed=3)
     idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
     lens = [9, 5]
     with torch.inference_mode():
         full, _ = model(idx)
         cache = KVCache(model.config, n_slots=2, dtype=torch.bfloat16)
-        cache.decode_attention = loops
+        cache.decode_attention = decode_attention.build(cache.k[0])
         out = [model.forward_cached(idx[r:r + 1, :lens[r]], cache, [r], all_logits=True)[0] for r in range(2)]
         for t in range(6):
             step = model.forward_cached(torch.stack([idx[r, lens[r] + t] for r in range(2)])[:, None], cache, [0, 1])
@@ -103,9 +103,18 @@ def test_a_bf16_cache_through_the_loops_stays_close_to_full_recompute(loops):
         torch.testing.assert_close(out[r], full[r, :lens[r] + 6], atol=2e-3, rtol=0)
 
 
+COMPILE_CACHE: list[str] = []  # the engines here keep their compiled attention in this module's folder
+
+
+@pytest.fixture(autouse=True, scope="module")
+def compile_cache(tmp_path_factory):
+    COMPILE_CACHE[:] = [str(tmp_path_factory.mktemp("compiled"))]
+
+
 def runner(kv_dtype=torch.bfloat16, compile="auto") -> ModelRunner:
     model = tiny_model(seed=0)
-    return ModelRunner(model, n_slots=2, vocab_size=model.config.vocab_size, kv_dtype=kv_dtype, compile=compile)
+    return ModelRunner(model, n_slots=2, vocab_size=model.config.vocab_size, kv_dtype=kv_dtype, compile=compile,
+                       compile_cache=COMPILE_CACHE[0])
 
 
 @pytest.fixture(autouse=True)
@@ -155,12 +164,13 @@ def test_an_fp32_cache_attends_through_the_loops_for_one_row_as_for_several():
         assert torch.equal(attend(range(r, r + 1)), batched[r:r + 1])
 
 
-def test_a_failed_attention_compile_leaves_sdpa_with_one_log_line(monkeypatch, caplog):
-    def fail(cache_k, q_dtype):
+def test_a_failed_attention_compile_leaves_sdpa_with_one_log_line(monkeypatch, caplog, tmp_path):
+    def fail(*args):
         raise RuntimeError("no C++ compiler\nmore lines")
 
     monkeypatch.setattr(decode_attention, "build", fail)
     r = runner()
+    r.compile_cache = str(tmp_path)  # nothing compiled yet
     with caplog.at_level(logging.WARNING, logger="engine.core.runner"):
         r.warmup()
         r.wait_compiled(timeout=60)
@@ -174,13 +184,8 @@ def test_a_failed_attention_compile_leaves_sdpa_with_one_log_line(monkeypatch, c
 def test_a_compiled_attention_that_differs_from_sdpa_is_refused_at_build(monkeypatch):
     # what a kernel from inductor's cache made under another vector ISA did (values of 1e23): build raises, and the
     # engine keeps SDPA with one log line (test_a_failed_attention_compile_leaves_sdpa_with_one_log_line)
-    real = torch.compile
-
-    def off_by_one(fn, **kw):
-        compiled = real(fn, **kw)
-        return lambda *args: compiled(*args) + 1.0
-
-    monkeypatch.setattr(decode_attention.torch, "compile", off_by_one)
+    real = decode_attention.Loops.__call__
+    monkeypatch.setattr(decode_attention.Loops, "__call__", lambda self, *args: real(self, *args) + 1.0)
     with pytest.raises(RuntimeError, match="the compiled decode attention differs from SDPA by 1 "):
         decode_attention.build(torch.zeros(4, 2, 128, 16, dtype=torch.bfloat16))
 
@@ -190,7 +195,8 @@ def engine(kv_dtype=torch.bfloat16):
     from engine.core import EngineCore
 
     model = tiny_model(seed=0, block_size=256)  # rows past a 64-key block's edge
-    return EngineCore(model, n_slots=4, vocab_size=model.config.vocab_size, kv_dtype=kv_dtype, compile="auto")
+    return EngineCore(model, n_slots=4, vocab_size=model.config.vocab_size, kv_dtype=kv_dtype, compile="auto",
+                      compile_cache=COMPILE_CACHE[0])
 
 
 def test_seeded_requests_give_the_same_tokens_alone_or_batched_through_the_compiled_attention():
@@ -228,7 +234,7 @@ def test_int8_weights_over_an_fp32_cache_give_a_seeded_request_its_tokens_alone_
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("gpt2", n_layer=4)).eval()
     core = EngineCore(model, n_slots=4, vocab_size=model.config.vocab_size, prepack=True, quantize="int8",
-                      compile="auto")
+                      compile="auto", compile_cache=COMPILE_CACHE[0])
     core.warmup()
     core.wait_compiled(300)
     assert core.stats()["compiled_attention"] and core.cache.k[0].dtype == torch.float32
@@ -250,9 +256,9 @@ def test_the_server_says_compiling_until_the_attention_is_installed(monkeypatch)
 
     release, real = threading.Event(), decode_attention.build
 
-    def held(cache_k, q_dtype):
+    def held(*args):
         release.wait(60)
-        return real(cache_k, q_dtype)
+        return real(*args)
 
     monkeypatch.setattr(decode_attention, "build", held)
     core = engine()
@@ -326,32 +332,61 @@ def test_attending_as_eager_in_and_out_of_inference_mode_gives_one_answer(with_l
         q, cache.k[0][:1, :, :90], cache.v[0][:1, :, :90]), atol=1e-5, rtol=1e-5)
 
 
-def test_the_engine_s_calls_never_compile_the_loops_again():
-    """Every call a server makes reuses a graph `build` made: one row and several, slots other than 0 (a one-token
-    prefill after a prefix reuse), short lengths and the whole cache, the eager step's query layout, and a compiled
-    quantized step's calls through `attend_as_eager`. A recompile costs seconds inside a step, and past dynamo's limit
-    of 8 graphs (fullgraph) the call raises and the step fails: GPT-2 int8 over a bf16 cache got there while serving
-    (a query of another layout, a slot number, an inference-mode scratch cache each compiled again)."""
-    from torch._dynamo.utils import counters
-
+def test_every_call_the_engine_makes_through_the_loops_equals_attention_without_them():
+    """The loops are one package compiled for the cache's shape, dynamic in rows and keys read, specialised to its
+    inputs' layouts: every call a server makes gets attention's answer. One row and several, slots other than 0 (a
+    one-token prefill after a prefix reuse), short lengths and the whole cache, the eager step's query layout, and
+    a compiled quantized step's calls through `attend_as_eager` (under torch.compile the same calls once compiled
+    again while serving, and past dynamo's limit of 8 graphs failed the step)."""
     model = tiny_model(0, n_embd=64, n_head=4, vocab_size=128, block_size=256)
-    cache = KVCache(model.config, 4, 256)
-    cache.decode_attention = decode_attention.build(cache.k[0])
-    graphs = counters["stats"]["unique_graphs"]
+    caches = [KVCache(model.config, 4, 256) for _ in range(2)]
+    caches[0].decode_attention = decode_attention.build(caches[0].k[0])
     g = torch.Generator().manual_seed(0)
 
-    def tokens(rows: int) -> torch.Tensor:
-        return torch.randint(0, 128, (rows, 1), generator=g)
+    def both(fn, rows: int | None = None, *args):
+        tok = torch.randint(0, 128, (rows, 1), generator=g) if rows is not None else None
+        got, ref = (fn(tok, c, *args) for c in caches)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
+    cached = model.forward_cached
     with torch.inference_mode():
-        model.forward_cached(torch.randint(0, 128, (3, 60), generator=g), cache, [0, 1, 2])
+        both(lambda _, c: cached(torch.arange(180).remainder(128).reshape(3, 60), c, [0, 1, 2]))
         for _ in range(6):  # 3 rows, then 1, at lengths either side of a block edge
-            model.forward_cached(tokens(3), cache, [0, 1, 2])
-            model.forward_cached(tokens(1), cache, [0])
-        model.forward_cached(tokens(1), cache, [2])  # one row at slot 2
-        model.forward_cached(tokens(2), cache, [1, 2])  # rows from slot 1
-        model.decode_static(tokens(1), cache, 256, exact=True)  # a compiled quantized step's attention
-        cache.advance([0, 1, 2, 3], 256 - 1 - max(cache.lengths))  # the whole cache read
-        model.forward_cached(tokens(3), cache, [0, 1, 2])
-        model.forward_cached(tokens(1), cache, [3])
-    assert counters["stats"]["unique_graphs"] == graphs
+            both(cached, 3, [0, 1, 2])
+            both(cached, 1, [0])
+        both(cached, 1, [2])  # one row at slot 2
+        both(cached, 2, [1, 2])  # rows from slot 1
+        both(lambda tok, c: model.decode_static(tok, c, 256, exact=True), 1)  # a compiled quantized step's call
+        for c in caches:
+            c.advance([0, 1, 2, 3], 256 - 1 - max(c.lengths))  # the whole cache read
+        both(cached, 3, [0, 1, 2])
+        both(cached, 1, [3])
+    loops, fewer = caches[0].decode_attention, KVCache(model.config, 2, 256)  # a scratch cache of fewer slots
+    assert loops(torch.zeros(2, 4, 1, 16), fewer.k[0], fewer.v[0], 0, 2, 64, torch.ones(2)).shape == (2, 4, 1, 16)
+    for other in (KVCache(model.config, 2, 128), KVCache(model.config, 2, 256, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="these loops attend over up to 4 rows of"):  # another shape: refused
+            loops(torch.zeros(1, 4, 1, 16), other.k[0], other.v[0], 0, 1, 64, torch.ones(1))
+    with pytest.raises(ValueError, match="these loops attend over up to 4 rows of"):  # more rows than slots
+        big = KVCache(model.config, 5, 256)
+        loops(torch.zeros(5, 4, 1, 16), big.k[0], big.v[0], 0, 5, 64, torch.ones(5))
+
+
+def test_the_engine_keeps_the_compiled_attention_on_disk_and_compiles_a_package_that_does_not_load_again(
+        tmp_path, caplog):
+    cache = KVCache(GPTConfig(vocab_size=8, block_size=128, n_layer=1, n_head=2, n_embd=32), 2, 128)
+
+    def build():
+        job = compiled_attention.AttentionBuild(cache, cache_dir=tmp_path).start()
+        assert job.wait(300) and job.error is None
+        return job
+
+    first = build()
+    [package] = (tmp_path / compiled_attention.ATTENTION).iterdir()
+    assert first.source == "compiled" and package.name == f"{first.key()}.pt2"
+    assert build().source == "cache"
+    package.write_bytes(b"not a package")
+    with caplog.at_level(logging.WARNING, logger="engine.compiled_attention"):
+        again = build()
+    assert again.source == "compiled" and again.fn is not None and package.stat().st_size > 1000
+    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "engine.compiled_attention"] == [
+        f"compiled decode attention {package} does not load"]

@@ -7,8 +7,9 @@ file, held while it serves, and the file touched), then `prune` removes, at idle
 other key folder that no live process holds and that either holds the same model (its largest weight file, the
 embedding, is the same file: an older key of these weights) and was not used for an hour, or was not used for
 `MAX_IDLE_DAYS`; and the scratch folders of compiles that died (`inductor-*`, `tmp*` holding weights) older than a
-day. A folder without a USED file (written before this) counts as used when it was last modified. Nothing else in
-the folder is touched (`GPT_COMPILE_CACHE` may name one that holds other things).
+day; and the compiled attention packages (engine.compiled_attention) not loaded for `MAX_IDLE_DAYS`. A folder
+without a USED file (written before this) counts as used when it was last modified. Nothing else in the folder is
+touched (`GPT_COMPILE_CACHE` may name one that holds other things).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import shutil
 import time
 from pathlib import Path
 
+from engine.compiled_attention import ATTENTION
 from engine.compiled_decode import MANIFEST, WEIGHTS
 from engine.idle_job import IdleJob
 
@@ -117,13 +119,32 @@ def stale_folders(cache_dir: Path, current: Path, now: float | None = None) -> l
     return out
 
 
+def stale_packages(cache_dir: Path, now: float | None = None) -> list[Path]:
+    """The compiled attention packages (engine.compiled_attention: ATTENTION/<key>.pt2, touched at every load) not
+    loaded for MAX_IDLE_DAYS, and the temporary files of compiles that died, older than a day."""
+    now = time.time() if now is None else now
+    out = []
+    for f in sorted((cache_dir / ATTENTION).glob("*.pt2")):
+        try:
+            age = now - f.stat().st_mtime
+        except OSError:
+            continue
+        if (KEY_NAME.fullmatch(f.stem) and age > MAX_IDLE_DAYS * 86400) or (
+                f.stem.startswith("tmp") and age > SCRATCH_MAX_AGE_S):
+            out.append(f)
+    return out
+
+
 def prune(cache_dir: Path, current: Path) -> list[Path]:
-    """Remove `stale_folders`; the folders removed."""
+    """Remove `stale_folders` and `stale_packages`; what was removed."""
     gone = []
     for folder in stale_folders(cache_dir, current):
         shutil.rmtree(folder, ignore_errors=True)
         if not folder.exists():
             gone.append(folder)
+    for package in stale_packages(cache_dir):
+        package.unlink(missing_ok=True)
+        gone.append(package)
     return gone
 
 

@@ -96,7 +96,9 @@ class Loops:
             raise ValueError(f"these loops attend over up to {self.shape[0]} rows of (slots, "
                              f"{', '.join(map(str, self.shape[1:]))}) {self.dtype} caches, not {rows} of "
                              f"{tuple(cache_k.shape)} {cache_k.dtype}")
-        if q.stride() != self._q_stride or q.dtype != self.q_dtype:  # the package reads the layout it was built for
+        stride = q.stride()  # the package reads the layout it was built for (a size-1 dim's stride is never read)
+        if (stride[1] != self._q_stride[1] or stride[3] != 1 or (rows > 1 and stride[0] != self._q_stride[0])
+                or q.dtype != self.q_dtype):
             q = eager_query(rows, self.H, self.D, self.q_dtype).copy_(q)
         return self._run([q, cache_k[first:first + rows], cache_v[first:first + rows], self._positions[:S],
                           visible.long()])[0]

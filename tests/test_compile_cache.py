@@ -9,7 +9,8 @@ import os
 import time
 from pathlib import Path
 
-from engine.compile_cache import MAX_IDLE_DAYS, USED, _in_use, mark_in_use, prune, stale_folders
+from engine.compile_cache import MAX_IDLE_DAYS, USED, _in_use, mark_in_use, prune, stale_folders, stale_packages
+from engine.compiled_attention import ATTENTION
 from engine.compiled_decode import MANIFEST, WEIGHTS
 
 
@@ -87,3 +88,22 @@ def test_marking_a_folder_touches_its_used_file(tmp_path):
     finally:
         os.close(fd)
     assert mark_in_use(tmp_path / "missing") is None  # a folder that is not there: nothing held, no error
+
+
+def test_attention_packages_unused_for_long_and_dead_compiles_files_go_the_rest_stay(tmp_path):
+    """engine.compiled_attention keeps ATTENTION/<key>.pt2 and touches it at every load: one not loaded for
+    MAX_IDLE_DAYS goes (an older torch's or code's), as does a dead compile's temporary file after a day."""
+    cache = tmp_path / "compiled"
+    current = key_folder(cache, "current", {"emb": 16})
+    (cache / ATTENTION).mkdir()
+    fresh, old, other = (cache / ATTENTION / f"{hashlib.sha256(n).hexdigest()[:24]}.pt2" for n in (b"a", b"b", b"c"))
+    dead, young, foreign = (cache / ATTENTION / n for n in ("tmpab12cd.pt2", "tmpef34gh.pt2", "mine.pt2"))
+    for f in (fresh, old, other, dead, young, foreign):
+        f.write_bytes(b"package")
+    for f, days in ((old, MAX_IDLE_DAYS + 1), (other, MAX_IDLE_DAYS - 1), (dead, 2), (young, 0.5),
+                    (foreign, MAX_IDLE_DAYS + 1)):
+        ago(f, days * 86400)
+    assert stale_packages(cache) == sorted([old, dead])
+    assert sorted(prune(cache, current)) == sorted([old, dead])
+    assert sorted(p.name for p in (cache / ATTENTION).iterdir()) == sorted(
+        f.name for f in (fresh, other, young, foreign))

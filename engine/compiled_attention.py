@@ -4,9 +4,9 @@ in the background and kept on disk.
 AOTInductor's compile of the attention takes ~12 s, so, like the compiled decode steps (engine.compiled_decode), it
 runs in a thread at idle priority while the engine serves with its per-row SDPA calls, and the engine hands the
 result to its cache at a step boundary (ModelRunner.poll_compiled). The package is kept in the compile cache
-(`ATTENTION`/<key>.pt2, the key: the cache's shape and dtype, the queries' dtype, this CPU, the threads, torch and
-the code), so a restart loads it in milliseconds; one that does not load is compiled again. A compile that fails
-leaves SDPA in place, with one log line.
+(`ATTENTION`/<key>.pt2, the key: the cache's shape and dtype, the queries' dtype, this CPU and ATen's capability on
+it, the threads, torch and the code), so a restart loads it in milliseconds; one that does not load is compiled
+again. A compile that fails leaves SDPA in place, with one log line.
 """
 
 from __future__ import annotations
@@ -55,8 +55,11 @@ class AttentionBuild(IdleJob):
     def key(self) -> str:
         k = self.cache.k[0]
         code = code_digest(Path(decode_attention.__file__).read_text())
-        return hashlib.sha256(repr((tuple(k.shape), k.dtype, self.q_dtype, sorted(cpu_flags()), self._threads,
-                                    torch.__version__, sys.version_info[:2])).encode() + code).hexdigest()[:24]
+        # ATen's CPU capability beside the flags: inductor's vector ISA follows it (ATEN_CPU_CAPABILITY=avx2 on an
+        # AVX-512 host makes other loops; decode_attention._check once caught such a kernel returning 1e23)
+        return hashlib.sha256(repr((tuple(k.shape), k.dtype, self.q_dtype, sorted(cpu_flags()),
+                                    torch.backends.cpu.get_cpu_capability(), self._threads, torch.__version__,
+                                    sys.version_info[:2])).encode() + code).hexdigest()[:24]
 
     def work(self):
         torch.set_num_threads(self._threads)  # a new thread starts with every core

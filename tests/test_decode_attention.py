@@ -390,3 +390,20 @@ def test_the_engine_keeps_the_compiled_attention_on_disk_and_compiles_a_package_
     assert again.source == "compiled" and again.fn is not None and package.stat().st_size > 1000
     assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "engine.compiled_attention"] == [
         f"compiled decode attention {package} does not load"]
+
+
+def test_the_attention_package_s_key_names_what_its_loops_depend_on(monkeypatch):
+    """ATen's CPU capability (inductor's vector ISA follows it), the threads, the cache's shape and dtypes."""
+    cfg = GPTConfig(vocab_size=8, block_size=128, n_layer=1, n_head=2, n_embd=32)
+    job = compiled_attention.AttentionBuild(KVCache(cfg, 2, 128))
+    key = job.key()
+    assert key == compiled_attention.AttentionBuild(KVCache(cfg, 2, 128)).key()
+    assert key != compiled_attention.AttentionBuild(KVCache(cfg, 3, 128)).key()
+    assert key != compiled_attention.AttentionBuild(KVCache(cfg, 2, 128, dtype=torch.bfloat16)).key()
+    assert key != compiled_attention.AttentionBuild(KVCache(cfg, 2, 128), torch.bfloat16).key()
+    real = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT" if real != "DEFAULT" else "AVX2")
+    assert job.key() != key
+    monkeypatch.undo()
+    job._threads += 1
+    assert job.key() != key

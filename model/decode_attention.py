@@ -106,10 +106,12 @@ class Loops:
 
 def export(cache_k: torch.Tensor, q_dtype: torch.dtype = torch.float32) -> torch.export.ExportedProgram:
     """`SlotsAttention` for caches shaped like `cache_k` (n_slots, H, max_len, D), queries of `q_dtype`: rows
-    1..n_slots and S 1..max_len dynamic (a cache of one slot or two entries: static there)."""
+    1..n_slots and S 1..max_len dynamic (a cache of one slot or of at most two entries: static there, at that size:
+    `read_len` reads the whole of so short a cache)."""
     n_slots, H, max_len, D = cache_k.shape
     k = torch.zeros_like(cache_k)
-    rows, S = min(3, n_slots), min(2 * KEY_BLOCK, max_len - 1)  # examples of 1 would specialise
+    # examples of 1 would specialise; a dimension that cannot vary is static at its one size
+    rows, S = min(3, n_slots), (min(2 * KEY_BLOCK, max_len - 1) if max_len > 2 else max_len)
     example = (eager_query(rows, H, D, q_dtype).zero_(), k[:rows], k[:rows], torch.arange(S),
                torch.ones(rows, dtype=torch.long))
     dim_rows = torch.export.Dim("rows", min=1, max=n_slots) if n_slots > 1 else None
@@ -146,7 +148,7 @@ def _check(fn: Callable[..., torch.Tensor], k: torch.Tensor, v: torch.Tensor, ro
     for n in sorted({1, rows}):
         q = eager_query(n, k.size(1), k.size(3), q_dtype)
         q.copy_(torch.randn(n, k.size(1), 1, k.size(3), generator=g))
-        visible = torch.tensor([S - 3 * i for i in range(n)])
+        visible = torch.tensor([max(1, S - 3 * i) for i in range(n)])  # (a cache of a few entries too)
         got = fn(q, k, v, 0, n, S, visible)
         ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
             q[b:b + 1].float(), k[b:b + 1, :, :m].float(), v[b:b + 1, :, :m].float())

@@ -407,3 +407,18 @@ def test_the_attention_package_s_key_names_what_its_loops_depend_on(monkeypatch)
     monkeypatch.undo()
     job._threads += 1
     assert job.key() != key
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2, 16), (3, 2, 3, 16)], ids=["one-slot-two-entries", "three-entries"])
+def test_a_cache_too_small_to_vary_in_a_dimension_gets_loops_static_there(shape):
+    """export needs examples of at least 2 in a dynamic dimension: a cache of one slot or of two entries is built
+    static there, at the one size its steps read (`read_len` reads the whole of so short a cache)."""
+    g = torch.Generator().manual_seed(0)
+    cache_k, cache_v = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    loops = decode_attention.build(cache_k)
+    n, H, L, D = shape
+    for rows in range(1, n + 1):
+        q = torch.randn(rows, H, 1, D, generator=g)
+        got = loops(q, cache_k, cache_v, 0, rows, decode_attention.read_len(L, L), torch.full((rows,), L))
+        torch.testing.assert_close(got, F.scaled_dot_product_attention(q, cache_k[:rows], cache_v[:rows]),
+                                   atol=1e-5, rtol=1e-5)

@@ -88,7 +88,7 @@ def window_logits(model, x: torch.Tensor, cache: KVCache | None) -> torch.Tensor
                         for t in range(first, x.size(1))], dim=1)
 
 
-@torch.inference_mode()  # as the server decodes: the compiled decode attention's graphs are made for such tensors
+@torch.inference_mode()  # as the server decodes
 def evaluate_tokens(model, tokens: np.ndarray, block_size: int, stride: int, batch_size: int,
                     device: torch.device | str = "cpu", kv_dtype: torch.dtype | None = None) -> tuple[float, int]:
     """Total nats over all predicted tokens, and their number (`window_logits`: `kv_dtype` scores through a KV
@@ -97,7 +97,7 @@ def evaluate_tokens(model, tokens: np.ndarray, block_size: int, stride: int, bat
     t = torch.from_numpy(tokens.astype(np.int64))
     total, count = 0.0, 0
     cache = None
-    if kv_dtype is not None:  # one cache of every window's shape: the compiled attention compiles for it once
+    if kv_dtype is not None:  # one cache of every window's shape: the compiled attention is built for it once (~10 s)
         cache = KVCache(model.config, batch_size, block_size, dtype=kv_dtype, device=device)
         if cache.device.type == "cpu":  # the server's one-token attention on a CPU
             cache.decode_attention = decode_attention.build(cache.k[0])

@@ -11,6 +11,7 @@ again. A compile that fails leaves SDPA in place, with one log line.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -79,7 +80,8 @@ class AttentionBuild(IdleJob):
             except Exception as e:  # noqa: BLE001 - a corrupt or foreign package: compile it again
                 log.warning("compiled decode attention %s does not load (%s); compiling it again", package,
                             one_line(e))
-                package.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # a read-only cache keeps it: compiled for this process below
+                    package.unlink(missing_ok=True)
         try:
             package.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=package.parent)

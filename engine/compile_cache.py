@@ -5,7 +5,8 @@ this code or of torch, or another thread count, left the old folder behind: GPT-
 A server that installs its compiled steps marks their folder in use (`mark_in_use`: a shared `flock` on its USED
 file, held while it serves, and the file touched), then `prune` removes, at idle priority (`CachePrune`), every
 other key folder that no live process holds and that either holds the same model (its largest weight file, the
-embedding, is the same file: an older key of these weights) and was not used for an hour, or was not used for
+embedding, is the same file) in the same setup (`setup_of`: the same KV cache, buckets and threads, so an older key
+of these weights: code or torch changed) and was not used for an hour, or was not used for
 `MAX_IDLE_DAYS`; and the scratch folders of compiles that died (`inductor-*`, `tmp*` holding weights) older than a
 day; and the compiled attention packages (engine.compiled_attention) not loaded for `MAX_IDLE_DAYS`. A folder
 without a USED file (written before this) counts as used when it was last modified. Nothing else in the folder is
@@ -29,6 +30,7 @@ from engine.idle_job import IdleJob
 log = logging.getLogger("engine.compile_cache")
 
 USED = ".used"
+SETUP = ".setup"
 MAX_IDLE_DAYS = 30
 SCRATCH_MAX_AGE_S = 24 * 3600
 # an older key of the same weights goes only once unused this long: another server's compile of them (another
@@ -40,9 +42,25 @@ SAME_MODEL_GRACE_S = 3600
 KEY_NAME = re.compile(r"[0-9a-f]{24}")
 
 
-def mark_in_use(folder: Path) -> int | None:
+def setup_of(compiled) -> str:
+    """What a folder's packages were built for besides the weights, the code and torch (the rest of
+    engine.compiled_decode.CompiledDecode.key): the cache's shape and dtype, the buckets, the threads. Two folders of
+    the same weights with different setups are two configurations of one model (int8 over an fp32 and over a bf16
+    KV cache, say), not an older key and its successor."""
+    c = compiled.cache
+    return repr((compiled.buckets, compiled.contexts, compiled.kinds, c.n_slots, c.max_len, tuple(c.k[0].shape),
+                 str(c.k[0].dtype), compiled._threads))
+
+
+def mark_in_use(folder: Path, setup: str | None = None) -> int | None:
     """Hold a shared lock on `folder`'s USED file and touch it; the file descriptor (keep it open while the folder's
-    steps serve: a `prune` in another process then leaves the folder alone), or None where it cannot be made."""
+    steps serve: a `prune` in another process then leaves the folder alone), or None where it cannot be made.
+    `setup` (setup_of): written beside it once, for `stale_folders` to tell configurations from older keys."""
+    if setup is not None and not (folder / SETUP).is_file():
+        try:
+            (folder / SETUP).write_text(setup)
+        except OSError:
+            pass  # read-only: prune then treats the folder as before, by its weights alone
     try:
         fd = os.open(folder / USED, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
@@ -73,6 +91,13 @@ def _in_use(folder: Path) -> bool:
         os.close(fd)  # releases the probe's lock
 
 
+def _setup(folder: Path) -> str | None:
+    try:
+        return (folder / SETUP).read_text()
+    except OSError:
+        return None
+
+
 def _last_used(folder: Path) -> float:
     try:
         return (folder / USED).stat().st_mtime
@@ -100,7 +125,7 @@ def _key(folder: Path) -> bool:
 def stale_folders(cache_dir: Path, current: Path, now: float | None = None) -> list[Path]:
     """The folders of `cache_dir` that `prune` removes, given that `current` serves."""
     now = time.time() if now is None else now
-    model = _largest_weight(current)
+    model, setup = _largest_weight(current), _setup(current)
     out = []
     for folder in sorted(p for p in cache_dir.iterdir() if p.is_dir() and p != current):
         try:
@@ -111,8 +136,10 @@ def stale_folders(cache_dir: Path, current: Path, now: float | None = None) -> l
             if not _key(folder) or _in_use(folder):
                 continue
             idle = now - _last_used(folder)
-            same_model = model is not None and _largest_weight(folder) == model
-            if (same_model and idle > SAME_MODEL_GRACE_S) or idle > MAX_IDLE_DAYS * 86400:
+            # an older key of these weights: same model, and not known to be another setup of it
+            other_setup = setup is not None and _setup(folder) not in (None, setup)
+            older = model is not None and _largest_weight(folder) == model and not other_setup
+            if (older and idle > SAME_MODEL_GRACE_S) or idle > MAX_IDLE_DAYS * 86400:
                 out.append(folder)
         except OSError:  # removed meanwhile by another server's prune
             continue

@@ -25,7 +25,7 @@ import torch
 
 from engine import compiled_attention
 from engine.cache_pages import ResidentFill
-from engine.compile_cache import CachePrune, mark_in_use
+from engine.compile_cache import CachePrune, mark_in_use, setup_of
 from engine.compile_gate import check_compile_memory, time_one_row
 from engine.compiled_decode import DEFAULT_MAX_BATCH as DEFAULT_COMPILE_MAX_BATCH
 from engine.compiled_decode import one_line
@@ -361,7 +361,7 @@ class ModelRunner:
         self.compile_seconds, self.compile_source = compiled.seconds, compiled.source
         if compiled.error is None and compiled.folder is not None:  # its packages exist (kept below or not): the
             # folder is held in use, and older keys of the same weights removed in the background
-            self.cache_lock = mark_in_use(compiled.folder)
+            self.cache_lock = mark_in_use(compiled.folder, setup_of(compiled))
             self.pruning = CachePrune(compiled.cache_dir, compiled.folder).start()
         drop_plain(self.model)  # the compile has read the plain weights (or failed): eager steps never do
         try:

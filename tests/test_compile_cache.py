@@ -9,7 +9,17 @@ import os
 import time
 from pathlib import Path
 
-from engine.compile_cache import MAX_IDLE_DAYS, USED, _in_use, mark_in_use, prune, stale_folders, stale_packages
+from engine.compile_cache import (
+    MAX_IDLE_DAYS,
+    SETUP,
+    USED,
+    _in_use,
+    mark_in_use,
+    prune,
+    setup_of,
+    stale_folders,
+    stale_packages,
+)
 from engine.compiled_attention import ATTENTION
 from engine.compiled_decode import MANIFEST, WEIGHTS
 
@@ -68,6 +78,45 @@ def test_older_keys_of_the_same_weights_and_long_unused_folders_go_the_rest_stay
     assert stale_folders(cache, current) == []  # (held was just touched, fresh just written)
     ago(held / USED, 2 * 3600)
     assert stale_folders(cache, current) == [held]
+
+
+def test_another_setup_of_the_same_weights_is_kept_an_older_key_of_the_same_setup_goes(tmp_path):
+    """int8 weights over an fp32 and over a bf16 KV cache are two folders of one embedding: a server of one removed
+    the other's packages an hour after its last use (a ~15-minute compile for GPT-2 at the next start of the
+    other). Folders written before setups were recorded go by their weights alone, as before."""
+    cache = tmp_path / "compiled"
+    current = key_folder(cache, "int8-over-bf16", {"emb": 4096})
+    other_setup = key_folder(cache, "int8-over-fp32", {"emb": 4096}, age_days=2)
+    older = key_folder(cache, "int8-over-bf16-old-code", {"emb": 4096}, age_days=2)
+    unrecorded = key_folder(cache, "before-setups", {"emb": 4096}, age_days=2)
+    for folder, setup in ((current, "bf16"), (other_setup, "fp32"), (older, "bf16")):
+        os.close(mark_in_use(folder, setup))
+        ago(folder / USED, 0 if folder is current else 2 * 86400)
+    assert (other_setup / SETUP).read_text() == "fp32"
+    assert set(stale_folders(cache, current)) == {older, unrecorded}
+    ago(other_setup / USED, (MAX_IDLE_DAYS + 1) * 86400)  # unused for a month: goes like any folder
+    assert other_setup in stale_folders(cache, current)
+    (current / SETUP).unlink()  # the serving folder's setup unknown: by its weights, as before
+    assert set(stale_folders(cache, current)) == {older, unrecorded, other_setup}
+    # a setup is written once: marking again does not rewrite it
+    os.close(mark_in_use(older, "fp32"))
+    assert (older / SETUP).read_text() == "bf16"
+
+
+def test_a_setup_names_the_cache_the_buckets_and_the_threads():
+    from types import SimpleNamespace
+
+    import torch
+
+    def compiled(dtype=torch.float32, threads=2, contexts=(256, 1024)):
+        cache = SimpleNamespace(n_slots=32, max_len=1024, k=[torch.empty(32, 12, 1024, 64, dtype=dtype)])
+        return SimpleNamespace(cache=cache, buckets=[1], contexts=list(contexts), kinds=[None, "greedy"],
+                               _threads=threads)
+
+    base = setup_of(compiled())
+    assert base == setup_of(compiled())
+    assert len({base, setup_of(compiled(torch.bfloat16)), setup_of(compiled(threads=1)),
+                setup_of(compiled(contexts=(1024,)))}) == 4
 
 
 def test_a_folder_from_before_the_used_file_counts_as_used_when_last_modified(tmp_path):

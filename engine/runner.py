@@ -361,7 +361,7 @@ class ModelRunner:
         self.compile_seconds, self.compile_source = compiled.seconds, compiled.source
         if compiled.error is None and compiled.folder is not None:  # its packages exist (kept below or not): the
             # folder is held in use, and older keys of the same weights removed in the background
-            self.cache_lock = mark_in_use(compiled.folder, setup_of(compiled))
+            self.cache_lock = mark_in_use(compiled.folder, setup_of(compiled, self.weights))
             self.pruning = CachePrune(compiled.cache_dir, compiled.folder).start()
         drop_plain(self.model)  # the compile has read the plain weights (or failed): eager steps never do
         try:

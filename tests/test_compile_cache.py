@@ -81,9 +81,10 @@ def test_older_keys_of_the_same_weights_and_long_unused_folders_go_the_rest_stay
 
 
 def test_another_setup_of_the_same_weights_is_kept_an_older_key_of_the_same_setup_goes(tmp_path):
-    """int8 weights over an fp32 and over a bf16 KV cache are two folders of one embedding: a server of one removed
-    the other's packages an hour after its last use (a ~15-minute compile for GPT-2 at the next start of the
-    other). Folders written before setups were recorded go by their weights alone, as before."""
+    """int8 weights over an fp32 and over a bf16 KV cache (or int8 and int4, which share their int8 embedding) are
+    folders of one embedding: a server of one removed the other's packages an hour after its last use (a ~15-minute
+    compile for GPT-2 at the next start of the other). Folders written before setups were recorded go by their
+    weights alone, as before."""
     cache = tmp_path / "compiled"
     current = key_folder(cache, "int8-over-bf16", {"emb": 4096})
     other_setup = key_folder(cache, "int8-over-fp32", {"emb": 4096}, age_days=2)
@@ -103,20 +104,22 @@ def test_another_setup_of_the_same_weights_is_kept_an_older_key_of_the_same_setu
     assert (older / SETUP).read_text() == "bf16"
 
 
-def test_a_setup_names_the_cache_the_buckets_and_the_threads():
+def test_a_setup_names_the_format_the_cache_the_buckets_and_the_threads():
     from types import SimpleNamespace
 
     import torch
 
     def compiled(dtype=torch.float32, threads=2, contexts=(256, 1024)):
-        cache = SimpleNamespace(n_slots=32, max_len=1024, k=[torch.empty(32, 12, 1024, 64, dtype=dtype)])
+        cache = SimpleNamespace(n_slots=32, max_len=1024, k=[torch.empty(32, 12, 1, 64, dtype=dtype)])
         return SimpleNamespace(cache=cache, buckets=[1], contexts=list(contexts), kinds=[None, "greedy"],
                                _threads=threads)
 
-    base = setup_of(compiled())
-    assert base == setup_of(compiled())
-    assert len({base, setup_of(compiled(torch.bfloat16)), setup_of(compiled(threads=1)),
-                setup_of(compiled(contexts=(1024,)))}) == 4
+    int8, int4 = {"format": "int8", "swapped": 48, "group": None}, {"format": "int4", "swapped": 48, "group": 32}
+    base = setup_of(compiled(), int8)
+    assert base == setup_of(compiled(), dict(int8))
+    assert len({base, setup_of(compiled(), int4), setup_of(compiled(), {**int4, "group": 128}),
+                setup_of(compiled(torch.bfloat16), int8), setup_of(compiled(threads=1), int8),
+                setup_of(compiled(contexts=(1024,)), int8)}) == 6
 
 
 def test_a_folder_from_before_the_used_file_counts_as_used_when_last_modified(tmp_path):

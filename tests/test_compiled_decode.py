@@ -494,7 +494,7 @@ def test_installed_steps_hold_their_folder_and_prune_the_cache_s_stale_ones(monk
     import os
     import time
 
-    from engine.compile_cache import MAX_IDLE_DAYS, USED, _in_use
+    from engine.compile_cache import MAX_IDLE_DAYS, SETUP, USED, _in_use, setup_of
     from engine.compiled_decode import MANIFEST
 
     stale = compile_cache / "0123456789abcdef01234567"  # a key folder nobody used for a month
@@ -508,6 +508,8 @@ def test_installed_steps_hold_their_folder_and_prune_the_cache_s_stale_ones(monk
     assert core.stats()["compiled_decode"]
     assert core.runner.pruning.wait(30) and core.runner.pruning.result == [stale] and not stale.exists()
     assert _in_use(core._compiled.folder)
+    # its setup recorded beside it, so a prune by another configuration of these weights leaves it
+    assert (core._compiled.folder / SETUP).read_text() == setup_of(core._compiled, core.runner.weights)
     os.close(core.runner.cache_lock)
     assert not _in_use(core._compiled.folder)
 

@@ -76,9 +76,14 @@ SERVERS: dict[str, dict[str, Any]] = {
     "ours-int8-eager": {"kind": "ours", "weights": "fp32", "quantize": "int8", "extra_args": ["--compile", "off"]},
     "ours-int4-eager": {"kind": "ours", "weights": "fp32", "quantize": "int4", "extra_args": ["--compile", "off"]},
     # int8 weights and a bf16 KV cache: the smallest server (its step compiled by default: the quantized steps compute
-    # eager's bits, so the 16-bit cache's rounding of keys is the same in both)
+    # eager's bits, so the 16-bit cache's rounding of keys is the same in both). Since 2026-12-07 ours-int8's own
+    # cache on a CPU (engine.build.resolve_kv_dtype); the fp32 cache beside quantized weights is ours-int*-kv-fp32
     "ours-int8-kv-bf16": {"kind": "ours", "weights": "fp32", "quantize": "int8",
                           "extra_args": ["--kv-cache-dtype", "bf16"]},
+    "ours-int8-kv-fp32": {"kind": "ours", "weights": "fp32", "quantize": "int8",
+                          "extra_args": ["--kv-cache-dtype", "fp32"]},
+    "ours-int4-kv-fp32": {"kind": "ours", "weights": "fp32", "quantize": "int4",
+                          "extra_args": ["--kv-cache-dtype", "fp32"]},
 }
 DEFAULT_SERVERS = "ours,vllm,llama-f32,llama-f16,llama-q8_0"
 FP32_SERVERS = ("ours", "ours-eager", "vllm", "llama-f32", "vllm-default-threads", "vllm-no-preload",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -156,12 +157,32 @@ def test_start_up_refuses_weights_that_do_not_fit():
     assert str(ckpt) in str(e.value)
 
 
+def test_the_auto_kv_cache_is_bf16_beside_quantized_weights_on_a_cpu_else_the_models():
+    from engine.build import resolve_kv_dtype
+
+    def kv(quantize="none", kv_dtype="auto", dtype=torch.float32, device="cpu"):
+        return resolve_kv_dtype(CoreConfig(checkpoint="x", quantize=quantize, kv_cache_dtype=kv_dtype), dtype, device)
+
+    assert kv("int8") == kv("int4") == torch.bfloat16
+    assert kv() == torch.float32 and kv(dtype=torch.bfloat16) == torch.bfloat16
+    assert kv("int8", "fp32") == torch.float32 and kv("int4", "fp16") == torch.float16  # asked for: kept
+    assert kv("int8", device="cuda") == torch.float32  # not a CPU: the model's
+    # the start-up check sizes the cache it will allocate: one fp32 slot of the bundled model's fits, a bf16 one too
+    from engine.build import _as_loaded
+
+    free = _as_loaded(str(SHAKESPEARE), torch.float32)[1] + int(0.75 * kv_bytes_per_slot(*BUNDLED, torch.float32))
+    int8 = CoreConfig(checkpoint=str(SHAKESPEARE), quantize="int8")
+    with pytest.raises(StartupError, match="full-length KV slot"):
+        check_fits(dataclasses.replace(int8, kv_cache_dtype="fp32"), CPU, torch.float32, available=free)
+    check_fits(int8, CPU, torch.float32, available=free)
+
+
 def test_build_core_reports_the_format_the_weights_and_the_cache():
     from engine.build import build_core
 
     ckpt = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare"
     cfg = CoreConfig(checkpoint=str(ckpt), device="cpu", dtype="fp32", quantize="int8", kv_cache_memory="64MB",
-                     kv_cache_dtype="bf16", warmup=False)
+                     warmup=False)  # the auto cache: bf16 beside int8 weights
     core, info, _ = build_core(cfg)
     kv = info["kv_cache"]
     assert info["weights"] == "int8" and 0 < info["weight_bytes"] < 0.4 * 4 * info["n_params"]

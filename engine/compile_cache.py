@@ -5,8 +5,8 @@ this code or of torch, or another thread count, left the old folder behind: GPT-
 A server that installs its compiled steps marks their folder in use (`mark_in_use`: a shared `flock` on its USED
 file, held while it serves, and the file touched), then `prune` removes, at idle priority (`CachePrune`), every
 other key folder that no live process holds and that either holds the same model (its largest weight file, the
-embedding, is the same file) in the same setup (`setup_of`: the same KV cache, buckets and threads, so an older key
-of these weights: code or torch changed) and was not used for an hour, or was not used for
+embedding, is the same file) in the same setup (`setup_of`: the same format, KV cache, buckets and threads, so an
+older key of these weights: code or torch changed) and was not used for an hour, or was not used for
 `MAX_IDLE_DAYS`; and the scratch folders of compiles that died (`inductor-*`, `tmp*` holding weights) older than a
 day; and the compiled attention packages (engine.compiled_attention) not loaded for `MAX_IDLE_DAYS`. A folder
 without a USED file (written before this) counts as used when it was last modified. Nothing else in the folder is

@@ -365,13 +365,17 @@ def test_compiled_tokens_equal_eager_tokens_and_a_restart_loads_them():
 
 
 @pytest.mark.slow  # real AOTInductor compiles of the int8 / int4 twins, 5 packages each: ~1-2 min
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["kv-fp32", "kv-bf16"])
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_compiled_quantized_tokens_equal_eager_tokens(quantize):
+def test_compiled_quantized_tokens_equal_eager_tokens(quantize, kv_dtype):
+    """Over the fp32 cache and the bf16 one (the server's default beside quantized weights on a CPU:
+    engine.build.resolve_kv_dtype)."""
     if quantize == "int8" and not L.cpu_support.support().fbgemm:
         pytest.skip("int8 compiles where fbgemm serves it")
-    core = make_core("on", quantize=quantize)
+    core = make_core("on", quantize=quantize, kv_dtype=kv_dtype)
     assert core.stats()["compiled_decode"] and core.stats()["compile_source"] == "compiled"
-    eager = run(make_core("off", quantize=quantize), together=False)
+    assert core.cache.k[0].dtype == kv_dtype
+    eager = run(make_core("off", quantize=quantize, kv_dtype=kv_dtype), together=False)
     assert run(core, together=False) == eager and run(core, together=True) == eager
 
 

@@ -230,12 +230,14 @@ class GPT(nn.Module):
 
     def decode_static(self, idx: torch.Tensor, cache: KVCache, kv_len: int | None = None,
                       exact: bool = False) -> torch.Tensor:
-        """idx (B, 1): one token for each of slots 0..B-1 → logits (B, vocab), with static shapes
-        (`KVCache.plan_static`, attending over the first kv_len cache entries, default all); the caller advances
-        the cache. The body that a CUDA graph captures. exact: attention as the eager step's (a CPU's compiled step of
-        quantized weights: `model.decode_attention.attend_as_eager`)."""
-        step = cache.plan_static(idx.size(0), kv_len, exact)
+        """idx (B, T): T tokens for each of slots 0..B-1, at their next positions → logits (B, vocab) for T = 1,
+        (B, T, vocab) for several (a speculative verification pass), with static shapes (`KVCache.plan_static`,
+        attending over the first kv_len cache entries, default all); the caller advances the cache. The body that a
+        CUDA graph captures. exact: attention as the eager step's (a CPU's compiled step of quantized weights:
+        `model.decode_attention.attend_as_eager`; one token a row)."""
+        T = idx.size(1)
+        step = cache.plan_static(idx.size(0), kv_len, exact, T)
         x = self._embed(idx, step.positions)
         for i, block in enumerate(self.transformer.h):
             x = block(x, (cache.k[i], cache.v[i]), step)
-        return linear(self.transformer.ln_f(x[:, -1, :]), self.lm_head)
+        return linear(self.transformer.ln_f(x[:, -1, :] if T == 1 else x), self.lm_head)

@@ -185,8 +185,10 @@ class KVCache:
             return None
         return self.decode_attention
 
-    def plan_static(self, n_rows: int, kv_len: int | None = None, exact: bool = False) -> CacheStep:
-        """One token for each of slots 0..n_rows-1, with shapes that do not depend on what the slots hold:
+    def plan_static(self, n_rows: int, kv_len: int | None = None, exact: bool = False,
+                    n_tokens: int = 1) -> CacheStep:
+        """`n_tokens` tokens for each of slots 0..n_rows-1 (several: a speculative verification pass, at the slot's
+        next positions, each attending to the keys before it), with shapes that do not depend on what the slots hold:
         positions come from the device lengths and attention covers the first kv_len cache entries (default: the
         whole cache) under a mask. Nothing here reads the host, so a CUDA graph can capture the step once and
         replay it (engine.cuda_graphs picks kv_len per step: the context bucket that holds its longest live row).
@@ -198,11 +200,14 @@ class KVCache:
         kv_len = self.max_len if kv_len is None else kv_len
         if not 0 < kv_len <= self.max_len:
             raise ContextLengthError(f"kv_len {kv_len} must be in 1..max_len ({self.max_len})")
-        positions = self.lengths_t[:n_rows, None].clamp(max=self.max_len - 1)  # (B, 1), read at replay time
+        positions = (self.lengths_t[:n_rows, None] + self._arange[:n_tokens]).clamp(max=self.max_len - 1)  # (B, T),
+        # read at replay time
         if exact:
+            if n_tokens != 1:
+                raise ValueError("a step attending as eager decodes one token a row")
             return CacheStep(self._arange[:n_rows], slice(0, n_rows), positions, None, kv_len, exact=True,
                              visible=positions[:, 0] + 1)
-        mask = self._arange[None, None, None, :kv_len] <= positions[:, None, :, None]  # (B, 1, 1, S)
+        mask = self._arange[None, None, None, :kv_len] <= positions[:, None, :, None]  # (B, 1, T, S)
         return CacheStep(self._arange[:n_rows], slice(0, n_rows), positions, mask, kv_len)
 
     def advance(self, slots: list[int] | range, n_tokens: int) -> None:
@@ -278,10 +283,10 @@ class CacheStep:
         if self.exact:  # k, v: slots 0..B-1 of the layer's cache, just written (`update`)
             return torch.ops.gpt_serve.attend_as_eager(q, k, v, self.visible)  # model.decode_attention
         q = q.to(k.dtype)  # the cache's dtype (a 16-bit cache beside fp32 weights is read as stored)
-        if q.device.type == "cpu" and q.size(2) == 1 and self.mask is not None and torch.compiler.is_dynamo_compiling():
-            # a compiled CPU decode step (engine/compiled_decode.py): written out, inductor fuses one query's
-            # attention into its own loops, without the SDPA kernel's per-call cost (docs/performance.md, "Decode
-            # steps compiled ahead of time")
+        if q.device.type == "cpu" and self.mask is not None and torch.compiler.is_dynamo_compiling():
+            # a compiled CPU decode or verification step (engine/compiled_decode.py): written out, inductor fuses
+            # the queries' attention into its own loops, without the SDPA kernel's per-call cost
+            # (docs/performance.md, "Decode steps compiled ahead of time")
             scores = (q @ k.transpose(-1, -2)) * (q.size(-1) ** -0.5)
             scores = scores.masked_fill(~self.mask, float("-inf"))
             return torch.softmax(scores.float(), -1).to(v.dtype) @ v

@@ -225,6 +225,31 @@ def test_static_decode_step_equals_the_dynamic_one(overrides):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("overrides", [{}, {"position": "sinusoidal", "norm": "post"}])
+def test_a_static_pass_of_several_tokens_a_row_equals_the_dynamic_verification_pass(overrides):
+    # a compiled speculative verification pass (engine/compiled_decode.py): T tokens a row at its next positions,
+    # each seeing the keys before it, logits of every position, over the whole cache under a mask, as
+    # forward_cached(..., all_logits=True) gives them; the same keys and values written
+    model = tiny_model(vocab_size=300, **overrides)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 7)]
+    caches = [KVCache(model.config, n_slots=2) for _ in range(2)]
+    for cache in caches:
+        for slot, p in enumerate(prompts):
+            prefill(model, cache, slot, p)
+    static, dynamic = caches
+    idx = torch.randint(0, 300, (2, 5), generator=g)
+    with torch.inference_mode():
+        a = model.decode_static(idx, static, 16)
+        b = model.forward_cached(idx, dynamic, range(2), all_logits=True)
+    assert a.shape == b.shape == (2, 5, 300)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for i in range(model.config.n_layer):
+        for slot, n in enumerate((3, 7)):
+            torch.testing.assert_close(static.k[i][slot, :, :n + 5], dynamic.k[i][slot, :, :n + 5])
+            torch.testing.assert_close(static.v[i][slot, :, :n + 5], dynamic.v[i][slot, :, :n + 5])
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_a_narrower_kv_cache_stays_close_to_full_recompute_and_batch_invariant(kv_dtype):
     # GPT_KV_CACHE_DTYPE=bf16 beside fp32 weights: keys and values are stored rounded and attention runs in the

@@ -43,14 +43,12 @@ KEY_NAME = re.compile(r"[0-9a-f]{24}")
 
 
 def setup_of(compiled, weights: dict) -> str:
-    """What a folder's packages were built for besides the code and torch (the rest of
-    engine.compiled_decode.CompiledDecode.key): the weights' format (`weights`: model.linear.convert's report; int8
-    and int4 share their embedding, the file `stale_folders` knows a model by), the cache's shape and dtype, the
-    buckets, the threads. Two folders of one model in different setups are two configurations (int8 over an fp32
-    and over a bf16 KV cache, say), not an older key and its successor."""
-    c = compiled.cache
-    return repr((weights.get("format"), weights.get("group"), compiled.buckets, compiled.contexts, compiled.kinds,
-                 c.n_slots, c.max_len, tuple(c.k[0].shape), str(c.k[0].dtype), compiled._threads))
+    """What a folder's packages were built for besides the code and torch: the weights' format (`weights`:
+    model.linear.convert's report; int8 and int4 share their embedding, the file `stale_folders` knows a model by)
+    and the steps' setup (engine.compiled_decode.CompiledDecode.setup: buckets, verification positions, the cache's
+    shape and dtype, the threads). Two folders of one model in different setups are two configurations (int8 over
+    an fp32 and over a bf16 KV cache, say), not an older key and its successor."""
+    return repr((weights.get("format"), weights.get("group"), *compiled.setup()))
 
 
 def mark_in_use(folder: Path, setup: str | None = None) -> int | None:

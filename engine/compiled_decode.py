@@ -87,6 +87,17 @@ CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backen
                # each on disk and in memory for all packages (GPT-2's 15 each held their own 657 MB: 18 GB idle)
                "aot_inductor.package_constants_in_so": False,
                "aot_inductor.package_constants_on_disk_format": "binary_blob"}
+# a speculative verification pass's steps, of kind (VERIFY, width): one row fed its last token and a proposal,
+# padded to `width` positions, the logits of every position out (engine.core's _verify draws from them)
+VERIFY = "verify"
+
+
+def verify_widths(most: int) -> tuple[int, ...]:
+    """The widths of the verification passes compiled for proposals of up to `most` - 1 tokens: 3, 5, 9, ... below
+    it, and `most`. A pass costs about its width in one-row steps' matmuls on a CPU (the bundled model on an AVX2
+    host: widths 1 / 3 / 5 / 9 at 0.6 / 0.9 / 1.4 / 2.2 ms), and a proposal starts at 2 tokens and doubles while it
+    holds (engine/spec_decode), so it is padded to the next width, not to the widest."""
+    return tuple(sorted({w for w in (1 + 2 ** i for i in range(1, 8)) if w < most} | {most})) if most >= 2 else ()
 WEIGHTS = "weights"  # a folder's shared constants: WEIGHTS/<sha256>, and MANIFEST: step → constant → its file
 MANIFEST = "weights.json"
 DEFAULT_MAX_BATCH = 1
@@ -179,7 +190,8 @@ class Step(nn.Module):
     tokens (b, 1), the cache lengths (b,), the draw's 1/T, top-k, top-p, seed keys, history and prompt lengths (b,),
     then every layer's keys and values (b, H, max_len, D); the keys and values at each row's length are written in
     place. Output: logits (b, vocab), or with a plain `kind` what `plain_draw` returns (the token and logprob
-    drawn, and for a sampled kind top-p's check and its redraw's inputs)."""
+    drawn, and for a sampled kind top-p's check and its redraw's inputs). Tokens (b, T > 1): a verification pass
+    (no kind), logits (b, T, vocab)."""
 
     def __init__(self, model: GPT, max_len: int, kv_len: int, kind: Kind | None, vocab: int, block: int) -> None:
         super().__init__()
@@ -199,6 +211,11 @@ class Step(nn.Module):
             return logits
         return plain_draw(logits, self.vocab, self.block, self.kind, inv_temp, top_k, top_p, seed_key,
                           length - prompt_len)
+
+
+def _width(kind) -> int:
+    """A verification pass's width, from its steps' kind (VERIFY, width); 0 for a decode step's."""
+    return kind[1] if isinstance(kind, tuple) else 0
 
 
 def plain_twin(model: GPT) -> GPT:
@@ -242,6 +259,9 @@ def build_package(step: nn.Module, example: tuple, path: Path, store: Path) -> d
     pt2 = path.with_name(path.name + ".pt2")
     norms = _eager_norms() if getattr(step, "exact", False) else contextlib.nullcontext()
     options = dict(CPU_OPTIONS)
+    if example[0].size(1) > 1:  # a verification pass: its attention's batched matmuls (several queries a row) have
+        # no C++ template; ATen's kernel, called from the step
+        options["max_autotune_gemm_backends"] = "CPP,ATEN"
     if any(isinstance(m, Int4Linear) for m in step.modules()):  # aten's int4 kernel is its matmuls' only choice
         options["max_autotune_gemm_backends"] = "CPP,ATEN"  # (`_eager_int4_kernel`); its packed int4 weight is a
         # plain tensor, shared as any other
@@ -432,18 +452,23 @@ class CompiledDecode:
 
     def __init__(self, model: GPT, cache: KVCache, max_batch: int, contexts=CONTEXT_BUCKETS,
                  sampler: Sampler | None = None, cache_dir: Path | None = None,
-                 before_compile: Callable[[], None] | None = None) -> None:
+                 before_compile: Callable[[], None] | None = None, verify_most: int = 0) -> None:
         self.model, self.cache, self.max_batch, self.sampler = model, cache, max_batch, sampler
         self.before_compile = before_compile
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
         self.contexts = context_buckets(cache.max_len, contexts)
         self.kinds: tuple[Kind | None, ...] = (None,) + (KINDS if sampler is not None else ())
+        # one row's verification passes (speculative decoding: `verify_most` = 1 + the most tokens proposed), each
+        # width's. Not for quantized weights: their steps attend as eager ones, one token a row (`Step.exact`)
+        quantized = any(isinstance(m, QUANTIZED) for m in model.modules())
+        self.verify_widths = () if quantized else verify_widths(verify_most)
         self.cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
         self.tokens = torch.zeros(max_batch, 1, dtype=torch.long, device=cache.device)
+        self.verify_idx = {w: torch.zeros(1, w, dtype=torch.long, device=cache.device) for w in self.verify_widths}
         # the draw's inputs when there is no sampler (a logits-only step ignores them)
         self._no_draw = [torch.zeros(max_batch, dtype=dt) for dt in (torch.float32, torch.long, torch.float32,
                                                                       torch.long, torch.long, torch.long)]
-        self.steps: dict[tuple[int, int, Kind | None], object] = {}
+        self.steps: dict[tuple[int, int, Kind | tuple | None], object] = {}  # (batch, context, kind)
         self._inputs: dict[tuple[int, int], tuple] = {}
         self.error: str | None = None
         self.seconds: float | None = None
@@ -481,8 +506,19 @@ class CompiledDecode:
                 self._done.set()
 
     def names(self) -> dict[tuple[int, int, Kind | None], str]:
-        return {(b, ctx, kind): f"b{b}-c{ctx}-{kind or 'logits'}.so"
-                for b in self.buckets for ctx in self.contexts for kind in self.kinds}
+        names = {(b, ctx, kind): f"b{b}-c{ctx}-{kind or 'logits'}.so"
+                 for b in self.buckets for ctx in self.contexts for kind in self.kinds}
+        names |= {(1, ctx, (VERIFY, w)): f"b1-c{ctx}-{VERIFY}{w}.so"
+                  for w in self.verify_widths for ctx in self.contexts if ctx >= w}
+        return names
+
+    def setup(self) -> tuple:
+        """What the steps are made for besides the weights, the code, this CPU and torch: the buckets, kinds and
+        verification positions, the cache's shape and dtype, the threads (`key`; engine.compile_cache records it
+        beside a folder)."""
+        c = self.cache
+        return (self.buckets, self.contexts, self.kinds, self.verify_widths, c.n_slots, c.max_len,
+                tuple(c.k[0].shape), str(c.k[0].dtype), self._threads)
 
     def key(self, twin: GPT) -> str:
         """What a package depends on: the weights' bytes (the traced twin's), the shapes, this CPU, the threads,
@@ -491,13 +527,11 @@ class CompiledDecode:
         for name, t in sorted(twin.state_dict().items()):
             h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
             h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        c = self.cache
         root = Path(__file__).resolve().parent.parent
         code = b"".join(code_digest((root / f).read_text()) for f in TRACED)
-        h.update(repr((self.buckets, self.contexts, self.kinds, c.n_slots, c.max_len, c.k[0].shape, c.k[0].dtype,
-                       self.sampler.vocab_size if self.sampler else None, self.sampler.block if self.sampler else None,
-                       sorted(cpu_flags()), self._threads, torch.__version__, sys.version_info[:2],
-                       sorted(CPU_OPTIONS.items()))).encode() + code)
+        h.update(repr((self.setup(), self.sampler.vocab_size if self.sampler else None,
+                       self.sampler.block if self.sampler else None, sorted(cpu_flags()), torch.__version__,
+                       sys.version_info[:2], sorted(CPU_OPTIONS.items()))).encode() + code)
         return h.hexdigest()[:24]
 
     def compile_all(self) -> None:
@@ -533,8 +567,9 @@ class CompiledDecode:
             (Path(tmp) / WEIGHTS).mkdir()
             manifest = {}
             for (b, ctx, kind), name in names.items():
-                manifest[name] = build_package(Step(twin, self.cache.max_len, ctx, kind, *self._vocab_block()),
-                                               self._scratch(b), Path(tmp) / name, Path(tmp) / WEIGHTS)
+                width = _width(kind)
+                step = Step(twin, self.cache.max_len, ctx, None if width else kind, *self._vocab_block())
+                manifest[name] = build_package(step, self._scratch(b, width), Path(tmp) / name, Path(tmp) / WEIGHTS)
                 # what the package froze (its copy of the weights: GPT-2's 0.5 GB), freed, back to the kernel: the
                 # engine's heap keeps freed pages (engine.heap.keep_freed_memory), and GPT-2's compile grew
                 # ~0.3 GB a package to a 10.3 GB peak resident; given back after each, it peaks at 7.7
@@ -557,24 +592,26 @@ class CompiledDecode:
     def _vocab_block(self) -> tuple[int, int]:
         return (self.sampler.vocab_size, self.sampler.block) if self.sampler else (0, 0)
 
-    def _scratch(self, b: int) -> tuple:
-        """Example inputs of bucket b's shapes (`Step`), zeros but for 1/T (> 0, as a slot's always is)."""
+    def _scratch(self, b: int, width: int = 0) -> tuple:
+        """Example inputs of bucket b's shapes (`Step`; a verification pass's tokens: `verify_idx[width]`), zeros
+        but for 1/T (> 0, as a slot's always is)."""
         c = self.cache
         draw = self.sampler.plain_inputs(b) if self.sampler else [t[:b] for t in self._no_draw]
-        return (torch.zeros_like(self.tokens[:b]), torch.zeros_like(c.lengths_t[:b]),
+        tokens = self.verify_idx[width] if width else self.tokens[:b]
+        return (torch.zeros_like(tokens), torch.zeros_like(c.lengths_t[:b]),
                 *(t.clone() if t.is_floating_point() else torch.zeros_like(t) for t in draw),
                 *(torch.zeros_like(t[:b]) for t in c.k), *(torch.zeros_like(t[:b]) for t in c.v))
 
     # ------------------------------------------------------------------ replaying
-    def inputs(self, b: int) -> tuple:
-        """Bucket b's inputs (`Step`): views of the live cache and sampler state, made once (the same every
-        replay: the steps write the cache through them)."""
-        if b not in self._inputs:
+    def inputs(self, b: int, width: int = 0) -> tuple:
+        """Bucket b's inputs (`Step`; a verification pass's tokens: `verify_idx[width]`): views of the live cache
+        and sampler state, made once (the same every replay: the steps write the cache through them)."""
+        if (b, width) not in self._inputs:
             c = self.cache
             draw = self.sampler.plain_inputs(b) if self.sampler else [t[:b] for t in self._no_draw]
-            self._inputs[b] = (self.tokens[:b], c.lengths_t[:b], *draw, *(t[:b] for t in c.k),
-                               *(t[:b] for t in c.v))
-        return self._inputs[b]
+            self._inputs[b, width] = (self.verify_idx[width] if width else self.tokens[:b], c.lengths_t[:b], *draw,
+                                      *(t[:b] for t in c.k), *(t[:b] for t in c.v))
+        return self._inputs[b, width]
 
     def replay(self, n: int, kind: Kind | None = None):
         """The compiled step over slots 0..n-1 (self.tokens[:n] already written; the cache not advanced): logits,
@@ -600,16 +637,41 @@ class CompiledDecode:
         self.cache.advance(range(n), 1)
         return out
 
+    def verify_room(self, n: int) -> int:
+        """The most tokens a compiled verification pass of n rows takes now besides each row's last: one row, the
+        widest pass whose positions (its padding's too: one past the cache would be clamped onto a live entry)
+        fit the slot, less one; 0 where none does."""
+        if n != 1:
+            return 0
+        return max((w - 1 for w in self.verify_widths if self.cache.lengths[0] + w <= self.cache.max_len), default=0)
+
+    @torch.inference_mode()
+    def verify(self, idx: torch.Tensor) -> torch.Tensor:
+        """The logits (1, T, vocab) of slot 0 fed idx (1, T: its last token and a proposal of at most
+        `verify_room(1)` tokens) at its next T positions, as `GPT.forward_cached(..., all_logits=True)` gives them,
+        through the narrowest compiled pass that holds them (padded); advances the cache by T (the caller truncates
+        it to what it accepts)."""
+        T, length = idx.size(1), self.cache.lengths[0]
+        width = next(w for w in self.verify_widths if w >= T)
+        ctx = next(c for c in self.contexts if c >= length + width)
+        tokens = self.verify_idx[width]
+        tokens[:, :T] = idx
+        tokens[:, T:] = 0
+        out = self.steps[1, ctx, (VERIFY, width)](*self.inputs(1, width))
+        self.cache.advance(range(1), T)
+        return out[:, :T]
+
     @torch.inference_mode()
     def check(self, atol: float = 1e-3) -> bool:
         """Each compiled bucket equals the eager step on the live cache (written at each row's next position, which
         the row's next step overwrites, as a CUDA graph's padding rows do; the cache is not advanced): the same
-        logits, and for a draw the same tokens as plain_draw on the eager logits."""
+        logits (a verification pass's: of every position), and for a draw the same tokens as plain_draw on the
+        eager logits."""
         for (b, ctx, kind), fn in self.steps.items():
-            args = self.inputs(b)
+            args = self.inputs(b, _width(kind))
             eager = Step(self.model, self.cache.max_len, ctx, None, *self._vocab_block())(*args)
             got = fn(*args)
-            if kind is None:
+            if kind is None or _width(kind):
                 same = torch.allclose(got.float(), eager.float(), atol=atol, rtol=1e-2)
             else:
                 inv_temp, top_k, top_p, seed_key, length, prompt_len = args[2:8]

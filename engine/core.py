@@ -268,13 +268,15 @@ class EngineCore:
         spec = self.speculator
         if spec is None or len(decode) > spec.config.max_batch or not any(r.id in spec for r in decode):
             return None
-        if self._compiled is not None and len(decode) <= self._compiled.max_batch:
-            # the verification pass is eager, ~4x a compiled step: on the copy workload made for speculation it cost
-            # more than it saved (docs/performance.md, "Decode steps compiled ahead of time"); a compiled verify pass
-            # would let it pay again
-            return None
         lengths = self.cache.lengths
         per_row = max(1, VERIFY_POSITIONS // len(decode) - 1)
+        if self._compiled is not None and len(decode) <= self._compiled.max_batch:
+            # a batch the compiled steps decode verifies through a compiled pass (engine.compiled_decode), within
+            # its room, or not at all: an eager one costs ~4x a compiled step, and on the copy workload made for
+            # speculation it cost more than it saved (docs/performance.md, "Decode steps compiled ahead of time")
+            per_row = min(per_row, self._compiled.verify_room(len(decode)))
+            if per_row == 0:
+                return None
         limits = [min(r.request.params.max_new_tokens - r.generated - 1, self.max_len - lengths[i] - 1, per_row)
                   for i, r in enumerate(decode)]
         proposals = spec.propose([r.id for r in decode], limits)

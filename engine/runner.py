@@ -227,6 +227,8 @@ class ModelRunner:
         T = 1 + max(len(p) for p in proposals)
         idx = device_index([[0, *p] + [0] * (T - 1 - len(p)) for p in proposals], self.device)
         idx[:, 0] = self.sampler.last[:len(proposals)]
+        if self._compiled is not None and T - 1 <= self._compiled.verify_room(len(proposals)):
+            return self._compiled.verify(idx)
         return self.model.forward_cached(idx, self.cache, range(len(proposals)), all_logits=True)
 
     # ------------------------------------------------------------------ warm-up, CUDA graphs, the compiled step
@@ -263,7 +265,7 @@ class ModelRunner:
             if self.cuda_graphs:
                 self._capture_graphs(graph_capture)
             if self.compile == "on":
-                self._compile_decode()
+                self._compile_decode(speculator)
             if self.compile_attention:
                 self._attention = compiled_attention.AttentionBuild(self.cache, self.dtype, self.compile_cache)
                 self._attention.start()
@@ -298,9 +300,10 @@ class ModelRunner:
         except Exception as e:  # a capture that fails costs speed, never the server
             log.warning("CUDA graphs unavailable (%s: %s); decoding eagerly", type(e).__name__, e)
 
-    def _compile_decode(self) -> None:
+    def _compile_decode(self, speculator: Speculator | None = None) -> None:
         """Start compiling the decode step of the small batch buckets on a CPU (engine.compiled_decode), in a
-        background thread: the engine serves eagerly meanwhile and swaps the steps in at a step boundary."""
+        background thread: the engine serves eagerly meanwhile and swaps the steps in at a step boundary. With a
+        `speculator`, one row's verification pass too (its last token and up to k proposed)."""
         from engine.compiled_decode import CompiledDecode
 
         config, cache = self.model.config, self.cache
@@ -311,7 +314,8 @@ class ModelRunner:
             check_compile_memory(fp32_bytes, self.device, pending=0 if cache.resident else cache.nbytes())
 
         self._compiling = CompiledDecode(self.model, self.cache, self.compile_max_batch, sampler=self.sampler,
-                                         cache_dir=self.compile_cache, before_compile=fits)
+                                         cache_dir=self.compile_cache, before_compile=fits,
+                                         verify_most=1 + speculator.config.k if speculator is not None else 0)
         self._compiling.start()
         log.info("compiling the decode step (batches up to %d) in the background; decoding eagerly meanwhile",
                  self.compile_max_batch)

@@ -104,22 +104,30 @@ def test_another_setup_of_the_same_weights_is_kept_an_older_key_of_the_same_setu
     assert (older / SETUP).read_text() == "bf16"
 
 
-def test_a_setup_names_the_format_the_cache_the_buckets_and_the_threads():
-    from types import SimpleNamespace
-
+def test_a_setup_names_the_format_the_cache_the_buckets_the_verification_pass_and_the_threads():
     import torch
 
-    def compiled(dtype=torch.float32, threads=2, contexts=(256, 1024)):
-        cache = SimpleNamespace(n_slots=32, max_len=1024, k=[torch.empty(32, 12, 1, 64, dtype=dtype)])
-        return SimpleNamespace(cache=cache, buckets=[1], contexts=list(contexts), kinds=[None, "greedy"],
-                               _threads=threads)
+    from engine.compiled_decode import CompiledDecode
+    from model.kv_cache import KVCache
+    from tests.helpers import tiny_model
+
+    model = tiny_model(0, vocab_size=96, block_size=64)
+
+    def compiled(dtype=torch.float32, threads=2, contexts=(32, 64), verify_most=0):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)  # the engine's threads, as a CompiledDecode reads them when made
+        try:
+            return CompiledDecode(model, KVCache(model.config, 4, dtype=dtype), 1, contexts=contexts,
+                                  verify_most=verify_most)
+        finally:
+            torch.set_num_threads(before)
 
     int8, int4 = {"format": "int8", "swapped": 48, "group": None}, {"format": "int4", "swapped": 48, "group": 32}
     base = setup_of(compiled(), int8)
     assert base == setup_of(compiled(), dict(int8))
     assert len({base, setup_of(compiled(), int4), setup_of(compiled(), {**int4, "group": 128}),
                 setup_of(compiled(torch.bfloat16), int8), setup_of(compiled(threads=1), int8),
-                setup_of(compiled(contexts=(1024,)), int8)}) == 6
+                setup_of(compiled(contexts=(64,)), int8), setup_of(compiled(verify_most=9), int8)}) == 7
 
 
 def test_a_folder_from_before_the_used_file_counts_as_used_when_last_modified(tmp_path):

@@ -21,6 +21,8 @@ from engine.compiled_attention import ATTENTION
 from engine.core import EngineCore
 from engine.params import SamplingParams
 from engine.request import EngineRequest
+from model.gpt import GPT
+from model.kv_cache import KVCache
 from tests.helpers import force_cpu, run_alone_or_together, tiny_model
 
 # (prompt, temperature, top_p, top_k, seed)
@@ -64,7 +66,7 @@ def stand_in_compiler(monkeypatch, calls: list, shift: float = 0.0, error: Excep
         step = built[path.name]
 
         def run(*args):
-            calls.append((args[0].size(0), step.kind))
+            calls.append((args[0].size(0), step.kind if args[0].size(1) == 1 else (cd.VERIFY, args[0].size(1))))
             out = step(*args)
             return out + shift if step.kind is None else out
 
@@ -364,6 +366,26 @@ def test_compiled_tokens_equal_eager_tokens_and_a_restart_loads_them():
     assert run(again, together=False) == eager
 
 
+@pytest.mark.slow  # real AOTInductor compiles: 5 decode packages and 2 verification passes, ~3-5 min on 2 CPU cores
+def test_compiled_verification_passes_give_the_tokens_of_plain_decoding():
+    """n-gram speculation verified through compiled passes (k = 4: widths 3 and 5, their logits the eager pass's
+    at install) emits the tokens of eager decoding without speculation, greedy and seeded sampled."""
+    from engine.spec_decode import parse_speculative
+
+    spec = make_core("on", speculative=parse_speculative("ngram", k=4))
+    assert spec.stats()["compiled_decode"] and spec._compiled.verify_widths == (3, 5)
+    requests = [([72] * 20, 0.0, 1), ([5, 6, 7, 8] * 6, 0.0, 2), ([72] * 12 + [5, 6] * 6, 0.8, 3)]
+    out: dict = {}
+    for name, core in (("spec", spec), ("plain", make_core("off"))):
+        for i, (prompt, t, seed) in enumerate(requests):  # one at a time: the batch the compiled passes serve
+            core.add(EngineRequest(str(i), prompt, SamplingParams(max_new_tokens=24, temperature=t), seed=seed))
+            while core.has_work():
+                for o in core.step():
+                    out.setdefault(name, {}).setdefault(o.request_id, []).extend(o.token_ids)
+    assert spec.stats()["speculative"]["verify_steps"] > 0
+    assert out["spec"] == out["plain"]
+
+
 @pytest.mark.slow  # real AOTInductor compiles of the int8 / int4 twins, 5 packages each: ~1-2 min
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["kv-fp32", "kv-bf16"])
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
@@ -450,6 +472,17 @@ def test_a_step_attends_as_eager_only_for_quantized_weights():
         model = tiny_model(0, vocab_size=96, block_size=64)
         L.convert(model, fmt, keep_plain=True)
         assert cd.Step(model, 64, 64, None, 0, 0).exact and cd.Step(cd.plain_twin(model), 64, 64, None, 0, 0).exact
+        # so no verification pass (several tokens a row) compiled for them
+        assert cd.CompiledDecode(model, KVCache(model.config, 1), 1, verify_most=9).verify_widths == ()
+    model = tiny_model(0, vocab_size=96, block_size=64)
+    assert cd.CompiledDecode(model, KVCache(model.config, 1), 1, verify_most=9).verify_widths == (3, 5, 9)
+
+
+def test_verification_passes_come_in_widths_a_proposal_pads_to():
+    """A proposal starts at 2 tokens and doubles while it holds (engine/spec_decode), and a pass costs about its
+    width in one-row steps on a CPU: passes of 3, 5, 9, ... positions, and the widest the speculation asks for."""
+    assert cd.verify_widths(9) == (3, 5, 9) and cd.verify_widths(16) == (3, 5, 9, 16)
+    assert cd.verify_widths(3) == (3,) and cd.verify_widths(2) == (2,) and cd.verify_widths(0) == ()
 
 
 def test_a_restart_loads_the_compiled_steps_from_the_cache_keyed_by_what_they_depend_on(monkeypatch, caplog,
@@ -546,23 +579,54 @@ def test_an_unwritable_compile_cache_compiles_for_the_process_with_one_log_line(
     assert not folder.exists()
 
 
-def test_speculation_pauses_on_the_batches_the_compiled_step_serves(monkeypatch):
+def spec_and_plain(monkeypatch, prompt: list[int], new_tokens: int) -> tuple[EngineCore, list, dict]:
+    """A greedy request served with n-gram speculation and compiled steps (the stand-in compiler), and without
+    either: (the speculating core, the compiled calls it made serving, each core's tokens)."""
     from engine.spec_decode import parse_speculative
 
     calls: list = []
     stand_in_compiler(monkeypatch, calls)
     spec = make_core("on", speculative=parse_speculative("ngram"))
     plain = make_core("off")
-    made = len(calls)  # the install's check called every kind once
-    prompt = [5, 6, 7, 8] * 6  # a repeating prompt: the n-gram proposer has something to propose
-    out = {}
+    made = len(calls)  # the install's check called every step once
+    out: dict = {}
     for name, core in (("spec", spec), ("plain", plain)):
-        core.add(EngineRequest(name, prompt, SamplingParams(max_new_tokens=20, temperature=0.0), seed=1))
+        core.add(EngineRequest(name, prompt, SamplingParams(max_new_tokens=new_tokens, temperature=0.0), seed=1))
         while core.has_work():
             for o in core.step():
                 out.setdefault(name, []).extend(o.token_ids)
-    assert spec.stats()["speculative"]["verify_steps"] == 0  # its eager verify pass costs more than it saves
-    assert {kind for _, kind in calls[made:]} == {"greedy"} and out["spec"] == out["plain"]
+    return spec, calls[made:], out
+
+
+def test_speculation_verifies_one_row_through_the_compiled_pass(monkeypatch):
+    """One row's verification pass compiled beside the decode steps (1 + k positions, each context bucket): the
+    speculating core verifies through it, never eagerly, and emits the tokens of plain decoding."""
+    eager_passes: list = []
+    forward_cached = GPT.forward_cached
+    monkeypatch.setattr(GPT, "forward_cached", lambda self, idx, *a, all_logits=False, **kw: (
+        eager_passes.append(idx.shape) if all_logits else None, forward_cached(self, idx, *a, all_logits=all_logits,
+                                                                                **kw))[1])
+    # a repeating prompt: the n-gram proposer has something to propose
+    spec, calls, out = spec_and_plain(monkeypatch, [5, 6, 7, 8] * 6, 20)
+    assert spec._compiled.verify_widths == (3, 5, 9)  # up to 1 + the n-gram's k
+    assert spec.stats()["speculative"]["verify_steps"] > 0
+    assert eager_passes == [(1, 9)]  # the warm-up's, before the compile: none serving
+    passes = [kind for b, kind in calls if kind != "greedy"]
+    assert passes and all(b == 1 for b, _ in calls) and {w for _, w in passes} <= {3, 5, 9}
+    assert (cd.VERIFY, 3) in passes  # a proposal's first 2 tokens: the narrowest pass, not the widest
+    assert out["spec"] == out["plain"]
+
+
+@pytest.mark.parametrize("prompt_len, widths", [(58, {3, 5}), (62, set())])
+def test_near_the_end_of_its_slot_a_row_verifies_in_the_passes_that_fit_or_not_at_all(monkeypatch, prompt_len,
+                                                                                     widths):
+    """A pass's positions, its padding's too, must fit the slot (one past it would be clamped onto a live entry):
+    a row proposes only what the widest pass that fits takes, and where none fits decodes one token a step through
+    the compiled step, never eagerly verified (~4x a compiled step)."""
+    spec, calls, out = spec_and_plain(monkeypatch, [72] * prompt_len, 64 - prompt_len)  # the tiny model's 72s
+    used = {kind[1] for _, kind in calls if kind != "greedy"}
+    assert used <= widths and bool(used) == bool(widths) and out["spec"] == out["plain"]
+    assert (spec.stats()["speculative"]["verify_steps"] > 0) == bool(widths)
 
 
 class _Shifted(torch.nn.Module):

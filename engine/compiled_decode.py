@@ -98,6 +98,8 @@ def verify_widths(most: int) -> tuple[int, ...]:
     host: widths 1 / 3 / 5 / 9 at 0.6 / 0.9 / 1.4 / 2.2 ms), and a proposal starts at 2 tokens and doubles while it
     holds (engine/spec_decode), so it is padded to the next width, not to the widest."""
     return tuple(sorted({w for w in (1 + 2 ** i for i in range(1, 8)) if w < most} | {most})) if most >= 2 else ()
+
+
 WEIGHTS = "weights"  # a folder's shared constants: WEIGHTS/<sha256>, and MANIFEST: step → constant → its file
 MANIFEST = "weights.json"
 DEFAULT_MAX_BATCH = 1

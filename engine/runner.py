@@ -379,10 +379,12 @@ class ModelRunner:
             log.warning("the compiled decode step differs from eager decoding; decoding eagerly")
         elif not self.compile_timed or self._faster(compiled):  # auto: only where faster (one log line if not)
             self._compiled = compiled
-            log.info("decode steps up to %d rows %s in %.1f s (%d batch x %d context buckets x %d kinds: %s)",
+            log.info("decode steps up to %d rows %s in %.1f s (%d batch x %d context buckets x %d kinds%s: %s)",
                      compiled.max_batch, "loaded from the compile cache" if compiled.source == "cache" else
                      "compiled ahead of time by AOTInductor", compiled.seconds, len(compiled.buckets),
-                     len(compiled.contexts), len(compiled.kinds), compiled.folder)
+                     len(compiled.contexts), len(compiled.kinds),
+                     f"; verification passes of {'/'.join(map(str, compiled.verify_widths))} positions"
+                     if compiled.verify_widths else "", compiled.folder)
         if self._compiled is None:  # not kept: its packages go before the trim (GPT-2 int4's rejected steps
             # otherwise held 2.2 GB)
             del compiled

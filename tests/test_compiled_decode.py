@@ -598,9 +598,11 @@ def spec_and_plain(monkeypatch, prompt: list[int], new_tokens: int) -> tuple[Eng
     return spec, calls[made:], out
 
 
-def test_speculation_verifies_one_row_through_the_compiled_pass(monkeypatch):
-    """One row's verification pass compiled beside the decode steps (1 + k positions, each context bucket): the
-    speculating core verifies through it, never eagerly, and emits the tokens of plain decoding."""
+def test_speculation_verifies_one_row_through_the_compiled_pass(monkeypatch, caplog):
+    """One row's verification passes compiled beside the decode steps (up to 1 + k positions, each context bucket;
+    the start-up log says so): the speculating core verifies through them, never eagerly, and emits the tokens of
+    plain decoding."""
+    caplog.set_level(logging.INFO, logger="engine.core.runner")
     eager_passes: list = []
     forward_cached = GPT.forward_cached
     monkeypatch.setattr(GPT, "forward_cached", lambda self, idx, *a, all_logits=False, **kw: (
@@ -609,6 +611,7 @@ def test_speculation_verifies_one_row_through_the_compiled_pass(monkeypatch):
     # a repeating prompt: the n-gram proposer has something to propose
     spec, calls, out = spec_and_plain(monkeypatch, [5, 6, 7, 8] * 6, 20)
     assert spec._compiled.verify_widths == (3, 5, 9)  # up to 1 + the n-gram's k
+    assert "verification passes of 3/5/9 positions" in caplog.text
     assert spec.stats()["speculative"]["verify_steps"] > 0
     assert eager_passes == [(1, 9)]  # the warm-up's, before the compile: none serving
     passes = [kind for b, kind in calls if kind != "greedy"]

@@ -1,10 +1,11 @@
 """Speculative decoding benchmark: speculation off / ngram / draft, interleaved in one process, per workload.
 
     python -m bench.speculative [--repeats 3] [--threads 1] [--workloads copy,repeat,chat,streams16,streams64,gpt2]
-                                [--methods off,ngram,draft] [--quick]
+                                [--methods off,ngram,draft] [--compile auto|on|off] [--quick]
 
 Each method gets its own engine core built as the server builds it (weights prepacked, padded vocabulary, no prefix
-cache, warmed up), on its own copy of the checkpoint; every repeat runs the methods one after another on the same
+cache, warmed up, its decode steps compiled as `--compile` says, the server's `auto` by default, and waited for: the
+first run on a machine compiles each model and setup for minutes), on its own copy of the checkpoint; every repeat runs the methods one after another on the same
 requests, so load on a shared machine hits them alike, and medians over repeats are reported with each method's
 ratio to `off` from the same run. Every run also checks that a method's tokens equal `off`'s (they must: the
 verification is exact).
@@ -105,7 +106,11 @@ def workloads(quick: bool, copy_dir: Path | None, draft_dir: Path | None) -> dic
 
 
 # ---------------------------------------------------------------------------------------------- running
-def build(target: Path, method: str, draft: Path | None, k: int, max_batch: int, n_slots: int, p_min: float):
+def build(target: Path, method: str, draft: Path | None, k: int, max_batch: int, n_slots: int, p_min: float,
+          compile: str = "auto"):
+    """An engine core as the server builds it, its decode steps compiled as `GPT_COMPILE` says (the server's
+    default `auto`; waited for, so every repeat runs what a warm server runs: with speculation, the compiled
+    verification passes too)."""
     from engine.core import EngineCore
     from engine.spec_decode import parse_speculative
     from model.checkpoint import load_checkpoint
@@ -115,8 +120,10 @@ def build(target: Path, method: str, draft: Path | None, k: int, max_batch: int,
                              draft_p_min=p_min)
     draft_model = load_checkpoint(draft).model if method == "draft" else None
     core = EngineCore(ck.model, n_slots=n_slots, vocab_size=ck.tokenizer.vocab_size, eos_id=ck.tokenizer.eot_id,
-                      prepack=True, speculative=spec, draft_model=draft_model, tokenizer=ck.tokenizer)
+                      prepack=True, speculative=spec, draft_model=draft_model, tokenizer=ck.tokenizer,
+                      compile=compile)
     core.warmup()
+    core.wait_compiled(3600)
     return core, ck.tokenizer
 
 
@@ -182,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                   "setting's)")
     ap.add_argument("--copy-model", type=Path, default=COPY_DIR)
     ap.add_argument("--draft", type=Path, default=DRAFT_DIR)
+    ap.add_argument("--compile", default="auto", help="GPT_COMPILE (default: the server's, auto)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: a smoke run")
     ap.add_argument("--name", default="speculative", help="the result file: bench/results/NAME.json")
     args = ap.parse_args(argv)
@@ -205,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
             continue
         wl = all_wl[name]
         methods = [m for m in args.methods.split(",") if m != "draft" or wl["draft"] is not None]
-        cores = {m: build(wl["target"], m, wl["draft"], args.k, max_batch, wl["batch"], p_min) for m in methods}
+        cores = {m: build(wl["target"], m, wl["draft"], args.k, max_batch, wl["batch"], p_min, args.compile)
+                 for m in methods}
         runs: dict[str, list[dict]] = {m: [] for m in methods}
         for _ in range(repeats):
             for m in methods:
@@ -222,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
                       "runs": [round(r[speed], 1) for r in runs[m]],
                       "generated": runs[m][0]["generated"],
                       "identical_to_off": runs[m][0]["tokens"] == runs["off"][0]["tokens"] if "off" in runs else None,
-                      "acceptance": spec.stats() if spec is not None else None}
+                      "acceptance": spec.stats() if spec is not None else None,
+                      "compiled_decode": cores[m][0].stats()["compiled_decode"]}
             if "off" in runs:
                 res[m]["ratio_to_off"] = round(res[m][speed] / res["off"][speed], 3)
             s = res[m]["acceptance"]
@@ -231,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         results[name] = res
     print_table(["workload", "method", "batch", "tok/s", "x off", "TTFT ms", "acceptance", "same tokens"], rows)
     data = {"benchmark": "speculative", "env": info, "repeats": repeats, "k": args.k, "max_batch": max_batch,
-            "draft_p_min": p_min,
+            "draft_p_min": p_min, "compile": args.compile,
             "quick": args.quick, "results": results}
     print(write_result(f"{args.name}-quick" if args.quick else args.name, data))
 

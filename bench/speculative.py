@@ -7,8 +7,8 @@ Each method gets its own engine core built as the server builds it (weights prep
 cache, warmed up, its decode steps compiled as `--compile` says, the server's `auto` by default, and waited for: the
 first run on a machine compiles each model and setup for minutes), on its own copy of the checkpoint; every repeat
 runs the methods one after another on the same requests, so load on a shared machine hits them alike, and medians
-over repeats are reported with each method's ratio to `off` from the same run. Every run also checks that a method's tokens equal `off`'s (they must: the
-verification is exact).
+over repeats are reported with each method's ratio to `off` from the same run. Every run also checks that a
+method's tokens equal `off`'s (they must: the verification is exact).
 
 Workloads (batch 1 unless named streams):
 - copy: the copy model (bench/spec_models.py: the bundled model fine-tuned here to repeat a passage) is given a

@@ -517,3 +517,45 @@ def test_blocks_with_no_allowed_token_get_no_mass(block):
     for _ in range(30):
         for d in s.step(logits.clone(), range(B), packed_bitmask(allowed)):
             assert d.token in (3, 150, 299)
+
+
+def test_a_verification_s_draws_in_one_go_are_the_draws_position_by_position():
+    """Sampler.draw_ahead (EngineCore._verify): each row's T positions drawn at once equal T steps that record each
+    position's draw before the next (greedy, sampled with top-p, its redraws, top-k, a sharpened temperature, top
+    logprobs; more rows x positions than slots); recording the kept runs leaves the state the steps leave. A row whose
+    draw reads its history (penalties, bias, min_tokens) makes it decline."""
+    V, T = 64, 6
+    cases = [dict(temperature=0), dict(temperature=1.0, top_p=0.5), dict(temperature=0.7, top_k=5),
+             dict(temperature=1.3, top_p=0.9, logprobs=3), dict(temperature=0.5)]
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(cases), T, V, generator=gen) * 3
+
+    def sampler():
+        s = Sampler(len(cases), V, 40, block_size=8)
+        for i, p in enumerate(cases):
+            top = p.pop("logprobs", 0)
+            s.admit(i, SamplingParams(**p), [1, 2, 3], seed=7 + i, top_n=top)
+            if top:
+                p["logprobs"] = top
+        return s
+
+    stepped = sampler()
+    by_position = [stepped.step(logits[:, j].clone(), range(len(cases))) for j in range(T)]
+    ahead = sampler()
+    got = ahead.draw_ahead(logits.clone(), range(len(cases)))
+    assert got == [[by_position[j][i] for j in range(T)] for i in range(len(cases))]
+    assert any(d.top for row in got for d in row)
+    assert len({d.token for d in got[1]}) > 1  # sampled rows draw anew at each position
+    ahead.record_ahead(range(len(cases)), [[d.token for d in row] for row in got])
+    for name in ("history", "length", "last"):
+        assert torch.equal(getattr(ahead.state, name), getattr(stepped.state, name)), name
+    kept = sampler()  # runs of different lengths: each slot keeps its own
+    kept.record_ahead([0, 2], [[5], [6, 7, 8]])
+    assert kept.state.length.tolist()[:3] == [4, 3, 6] and kept.state.last.tolist()[:3] == [5, 3, 8]
+    assert kept.state.history[2, 3:6].tolist() == [6, 7, 8]
+    for reads_history in (dict(repetition_penalty=1.2), dict(presence_penalty=0.5), dict(logit_bias={3: 2.0}),
+                          dict(min_tokens=2)):
+        s = Sampler(2, V, 40, block_size=8, eos_id=0)
+        s.admit(0, SamplingParams(temperature=1.0), [1, 2], seed=1)
+        s.admit(1, SamplingParams(temperature=1.0, **reads_history), [1, 2], seed=2)
+        assert s.draw_ahead(logits[:2].clone(), range(2)) is None, reads_history

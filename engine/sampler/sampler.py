@@ -106,28 +106,61 @@ class Sampler:
         plan = self.plans.get(slots)
         if plan.masked != (bitmask is not None):
             raise ValueError("a bitmask is required exactly when a slot is constrained")
-        s = self._sample(logits, plan, bitmask)
+        token, out = self._read_back(self._sample(logits, plan, bitmask), plan.top_n)
+        self.state.record(plan.rows, plan.index, token, plan.presence_frequency)
+        return out
+
+    @torch.inference_mode()
+    def draw_ahead(self, logits: torch.Tensor, slots: range | list[int]) -> list[list[Draw]] | None:
+        """A verification pass's draws in one go: for logits (n, T, ≥ vocab) of `slots`, each row's draw at each of
+        its T positions, as `step` draws them position after position when every earlier position's token is
+        recorded first (a draw reads its position, not the tokens before it, where no row has penalties, bias,
+        min_tokens or a grammar; else None: those rows draw one position a step). Records nothing: the caller
+        keeps what holds (`record_ahead`). One read-back, and top-p's redraws, for the n x T draws."""
+        plan = self.plans.get(slots)
+        if plan.repetition or plan.presence_frequency or plan.bias or plan.min_tokens or plan.masked:
+            return None
+        n, T = logits.shape[:2]
+        flat = self.plans.get([s for s in slots for _ in range(T)])
+        self._grow(n * T)
+        ahead = torch.arange(T, device=self.device).repeat(n)
+        _, draws = self._read_back(self._sample(logits.reshape(n * T, -1), flat, ahead=ahead), flat.top_n)
+        return [draws[i * T:(i + 1) * T] for i in range(n)]
+
+    def record_ahead(self, slots: range | list[int], tokens: list[list[int]]) -> None:
+        """Record the tokens each slot keeps of its `draw_ahead` draws (at least one each), as `step` would have one
+        by one."""
+        self.state.record_runs(list(slots), tokens)
+
+    def _grow(self, rows: int) -> None:
+        """Workspaces of at least `rows` rows (a verification pass's draws: rows x positions)."""
+        if rows > self._z.size(0):
+            self._z = torch.full((rows, self.padded), float("-inf"), dtype=torch.float32, device=self.device)
+            self._e = torch.empty_like(self._z)
+            self._tmp = torch.full_like(self._z, float("-inf"))
+
+    def _read_back(self, s: _Sampled, top_n: int) -> tuple[torch.Tensor, list[Draw]]:
+        """The step's one device→host copy of what `_sample` drew (and top-p's redraws): the tokens on the device
+        and the draws on the host."""
         token = s.token
         parts = [token.double()[:, None], s.logprob.double()[:, None]]
         if s.accepted is not None:
             parts.append(s.accepted.double()[:, None])
         if s.top_ids is not None:
             parts += [s.top_ids.double(), s.top_lp.double()]
-        rows = torch.cat(parts, 1).tolist()  # the one device→host copy of the step
+        rows = torch.cat(parts, 1).tolist()
         self.read_backs += 1
         if s.accepted is not None:
             token = self._redraw_rejected(rows, token, s.ctx)
-        self.state.record(plan.rows, plan.index, token, plan.presence_frequency)
-        n = plan.top_n
         first_top = 3 if s.accepted is not None else 2
         out = []
         for r in rows:
             top = None
-            if n:
-                ids, lps = r[first_top:first_top + n], r[first_top + n:first_top + 2 * n]
+            if top_n:
+                ids, lps = r[first_top:first_top + top_n], r[first_top + top_n:first_top + 2 * top_n]
                 top = [(int(i), lp) for i, lp in zip(ids, lps)]
             out.append(Draw(int(r[0]), r[1], top))
-        return out
+        return token, out
 
     def plain_kind(self, slots: range | list[int]) -> str | None:
         """The kind of engine.plain_draw that draws these slots' rows exactly as `step` would (greedy; T = 1;
@@ -187,7 +220,9 @@ class Sampler:
         token[device_index(rejected, self.device)] = device_index([t for t, _ in fixed], self.device)
         return token
 
-    def _sample(self, logits: torch.Tensor, plan: Plan, bitmask: torch.Tensor | None = None) -> _Sampled:
+    def _sample(self, logits: torch.Tensor, plan: Plan, bitmask: torch.Tensor | None = None,
+                ahead: torch.Tensor | None = None) -> _Sampled:
+        """`ahead` (B,): positions past each row's next (`draw_ahead`)."""
         B, V, P, NB, BS = plan.n, self.vocab_size, self.padded, self.blocks.n, self.blocks.size
         state = self.state
         if logits.size(0) != B or logits.size(1) < V:
@@ -252,6 +287,8 @@ class Sampler:
 
         seed_key = state.seed_key[rows]
         position = state.length[rows] - state.prompt_len[rows]  # index of the token being generated
+        if ahead is not None:
+            position = position + ahead
         token = None
         if plan.all_greedy or plan.greedy is not None:
             token = self.blocks.argmax(srcb, bmax.argmax(-1))

@@ -179,3 +179,15 @@ class SlotState:
         self.length[rows] += 1
         self.last[rows] = token
 
+    def record_runs(self, slots: list[int], tokens: list[list[int]]) -> None:
+        """Record several tokens a slot at once (a verification's kept draws, at least one a slot): history,
+        length and next input, as `record` would one by one, without first occurrences (slots with
+        presence/frequency penalties draw position by position)."""
+        counts, dev = [len(t) for t in tokens], self.device
+        index = device_index(slots, dev)
+        each = device_index([s for s, c in zip(slots, counts) for _ in range(c)], dev)
+        at = self.length[each] + device_index([j for c in counts for j in range(c)], dev)
+        self.history[each, at] = device_index([t for run in tokens for t in run], dev)
+        self.length[index] += device_index(counts, dev)
+        self.last[index] = device_index([run[-1] for run in tokens], dev)
+

@@ -647,6 +647,11 @@ class CompiledDecode:
             return 0
         return max((w - 1 for w in self.verify_widths if self.cache.lengths[0] + w <= self.cache.max_len), default=0)
 
+    def fill(self, k: int) -> int:
+        """The tokens a proposal of k may grow to at no extra cost: the narrowest pass that verifies k takes its
+        width less one (a pass of 3 positions verifies 1 proposed token or 2 at the same price)."""
+        return next((w - 1 for w in self.verify_widths if w > k), k)
+
     @torch.inference_mode()
     def verify(self, idx: torch.Tensor) -> torch.Tensor:
         """The logits (1, T, vocab) of slot 0 fed idx (1, T: its last token and a proposal of at most

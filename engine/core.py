@@ -232,13 +232,25 @@ class EngineCore:
         if step.decode:
             n = len(step.decode)
             self.max_batch_seen = max(self.max_batch_seen, n)
+            spec = self.speculator
+            t0 = time.perf_counter() if spec is not None else 0.0
             proposals = self._proposals(step.decode)
             if proposals is not None:
                 verified = self._verify(step.decode, proposals, masks)
                 self.generated_tokens += sum(map(len, verified)) - n  # the tokens beyond a row's one (below)
                 draws += verified
+                # what the pass cost beyond a plain step, from this core's timings (engine.spec_decode.costs), and
+                # what each row accepted: whether its proposals pay (engine.spec_decode.adaptive)
+                positions = 1 + max(map(len, proposals))
+                spec.costs.verify(n, positions, time.perf_counter() - t0)
+                extra = spec.costs.extra(n, positions)
+                for r, p, out in zip(step.decode, proposals, verified):
+                    if p:
+                        spec.observe(r.id, len(p), len(out) - 1, extra)
             else:
                 draws += self.runner.decode(batch)
+                if spec is not None:
+                    spec.costs.plain(n, time.perf_counter() - t0)
             self.decode_steps += 1
         self.generated_tokens += len(draws)
         if masks:
@@ -270,16 +282,19 @@ class EngineCore:
             return None
         lengths = self.cache.lengths
         per_row = max(1, VERIFY_POSITIONS // len(decode) - 1)
+        fill = None
         if self._compiled is not None and len(decode) <= self._compiled.max_batch:
             # a batch the compiled steps decode verifies through a compiled pass (engine.compiled_decode), within
             # its room, or not at all: an eager one costs ~4x a compiled step, and on the copy workload made for
-            # speculation it cost more than it saved (docs/performance.md, "Decode steps compiled ahead of time")
+            # speculation it cost more than it saved (docs/performance.md, "Decode steps compiled ahead of time");
+            # a proposal fills the padded width it is verified in (one token more for two: same pass)
             per_row = min(per_row, self._compiled.verify_room(len(decode)))
             if per_row == 0:
                 return None
+            fill = self._compiled.fill
         limits = [min(r.request.params.max_new_tokens - r.generated - 1, self.max_len - lengths[i] - 1, per_row)
                   for i, r in enumerate(decode)]
-        proposals = spec.propose([r.id for r in decode], limits)
+        proposals = spec.propose([r.id for r in decode], limits, fill)
         if not any(proposals):
             return None
         # one padded pass: every row computes 1 + the longest proposal positions, which must fit every slot
@@ -297,9 +312,6 @@ class EngineCore:
         before = list(self.cache.lengths[:n])
         logits = self.runner.verify_logits(proposals)  # (n, T, V)
         spec.steps += 1
-        out = [[d] for d in self.sampler.step(logits[:, 0], range(n), masks.next(decode) if masks else None)]
-        matchers = self._matchers if masks else None
-        accept_grammar(matchers, decode, [o[0] for o in out])
         eos = self.scheduler.eos_id
 
         def goes_on(i: int, d, j: int) -> bool:  # d, row i's draw at position j, is its proposal and ends nothing
@@ -307,6 +319,21 @@ class EngineCore:
             return (j < len(proposals[i]) and d.token == proposals[i][j]
                     and finish_reason(r.request.params, eos, r.generated + j + 1, d) is None)
 
+        ahead = None if masks else self.sampler.draw_ahead(logits, range(n))
+        if ahead is not None:  # every position drawn in one go (a draw reads its position only), kept up to the
+            # first that leaves its proposal: one sampler pass, not one a position (the sampled chat's verification:
+            # 2.7 -> ms, docs/performance.md)
+            out = []
+            for i, draws in enumerate(ahead):
+                j = 0
+                while goes_on(i, draws[j], j):
+                    j += 1
+                out.append(draws[:j + 1])
+            self.sampler.record_ahead(range(n), [[d.token for d in o] for o in out])
+            return self._keep(decode, before, out)
+        out = [[d] for d in self.sampler.step(logits[:, 0], range(n), masks.next(decode) if masks else None)]
+        matchers = self._matchers if masks else None
+        accept_grammar(matchers, decode, [o[0] for o in out])
         alive = [i for i in range(n) if goes_on(i, out[i][0], 0)]
         j = 1
         while alive:
@@ -319,10 +346,12 @@ class EngineCore:
                 out[i].append(d)
             alive = [i for i, d in zip(alive, ds) if goes_on(i, d, j)]
             j += 1
-        for i, r in enumerate(decode):
+        return self._keep(decode, before, out)
+
+    def _keep(self, decode, before: list[int], out: list[list]) -> list[list]:
+        """The slots keep the positions of the tokens each row emits (`out`)."""
+        for i in range(len(decode)):
             self.cache.truncate(i, before[i] + len(out[i]))
-            if proposals[i]:
-                spec.observe(r.id, len(proposals[i]), len(out[i]) - 1)
         return out
 
     # ------------------------------------------------------------------ warm-up and stats

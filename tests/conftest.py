@@ -34,6 +34,17 @@ def byte_tokenizer(tmp_path):
     return Tokenizer.from_ranks_file(write_byte_ranks(tmp_path / "bytes.tiktoken", [b"th", b"he", b" t", b"the"]))
 
 
+@pytest.fixture
+def default_spec_prices(monkeypatch):
+    """Speculation's pauses from the default price of a verification pass (engine.spec_decode.adaptive's
+    RATE_FLOOR a proposed token), not from this host's timings of the core's steps (engine.spec_decode.costs):
+    the counts a test asserts (proposed, accepted) stay the same on every machine. The timings' own tests set
+    their prices."""
+    from engine.spec_decode.costs import StepCosts
+
+    monkeypatch.setattr(StepCosts, "extra", lambda self, n, positions: None)
+
+
 @pytest.fixture(scope="session")
 def gpt2_tokenizer():
     from model.tokenizer import Tokenizer, TokenizerError

@@ -598,10 +598,10 @@ def spec_and_plain(monkeypatch, prompt: list[int], new_tokens: int) -> tuple[Eng
     return spec, calls[made:], out
 
 
-def test_speculation_verifies_one_row_through_the_compiled_pass(monkeypatch, caplog):
+def test_speculation_verifies_one_row_through_the_compiled_pass(monkeypatch, caplog, default_spec_prices):
     """One row's verification passes compiled beside the decode steps (up to 1 + k positions, each context bucket;
     the start-up log says so): the speculating core verifies through them, never eagerly, and emits the tokens of
-    plain decoding."""
+    plain decoding. A proposal fills the narrowest pass that holds it (one token for two at the same price)."""
     caplog.set_level(logging.INFO, logger="engine.core.runner")
     eager_passes: list = []
     forward_cached = GPT.forward_cached
@@ -618,11 +618,20 @@ def test_speculation_verifies_one_row_through_the_compiled_pass(monkeypatch, cap
     assert passes and all(b == 1 for b, _ in calls) and {w for _, w in passes} <= {3, 5, 9}
     assert (cd.VERIFY, 3) in passes  # a proposal's first 2 tokens: the narrowest pass, not the widest
     assert out["spec"] == out["plain"]
+    assert [spec._compiled.fill(k) for k in range(1, 10)] == [2, 2, 4, 4, 8, 8, 8, 8, 9]
+    fills: list = []
+    propose = spec.speculator.propose
+    monkeypatch.setattr(spec.speculator, "propose", lambda ids, limits, fill=None: (fills.append(fill),
+                                                                                   propose(ids, limits, fill))[1])
+    spec.add(EngineRequest("again", [5, 6, 7, 8] * 6, SamplingParams(max_new_tokens=12, temperature=0.0), seed=1))
+    while spec.has_work():
+        spec.step()
+    assert fills and all(f == spec._compiled.fill for f in fills)  # the core's proposals fill its compiled passes
 
 
 @pytest.mark.parametrize("prompt_len, widths", [(58, {3, 5}), (62, set())])
 def test_near_the_end_of_its_slot_a_row_verifies_in_the_passes_that_fit_or_not_at_all(monkeypatch, prompt_len,
-                                                                                     widths):
+                                                                                     widths, default_spec_prices):
     """A pass's positions, its padding's too, must fit the slot (one past it would be clamped onto a live entry):
     a row proposes only what the widest pass that fits takes, and where none fits decodes one token a step through
     the compiled step, never eagerly verified (~4x a compiled step)."""

@@ -20,7 +20,7 @@ from engine.stopping import FinishReason
 from model.checkpoint import load_checkpoint
 from tests.helpers import tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "default_spec_prices")
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["ROMEO:\nWhat light", "First Citizen:\nBefore we proceed", "KING HENRY:\n", "the the the the",
@@ -168,21 +168,25 @@ def test_verification_draws_nothing_after_the_token_that_ends_a_request(ck, case
     core = make_core(ck, "ngram", n_slots=1, eos_id=eos)
     spec = core.speculator
 
-    def propose(ids, limits):  # the script from the request's next token on, then filler, within the core's limits
+    def propose(ids, limits, fill=None):  # the script from the request's next token on, then filler, within the core's limits
         return [(script[len(spec.tokens[rid]) - len(prompt):] + [0] * lim)[:lim] for rid, lim in zip(ids, limits)]
 
-    drawn = []
-    sample = core.sampler.step
+    recorded, state = [], core.sampler.state
+    record, record_runs = state.record, state.record_runs
 
-    def count(logits, slots, bitmask=None):
-        drawn.append(len(slots))
-        return sample(logits, slots, bitmask)
+    def count(rows, index, token, first=True):  # a step's draws, position by position
+        recorded.append(len(index))
+        return record(rows, index, token, first)
 
-    spec.propose, core.sampler.step = propose, count
+    def count_runs(slots, tokens):  # a verification's kept draws, drawn in one go (Sampler.draw_ahead)
+        recorded.append(sum(map(len, tokens)))
+        return record_runs(slots, tokens)
+
+    spec.propose, state.record, state.record_runs = propose, count, count_runs
     on = flat(drive(core, request()))
     assert_same(off, on)
     n = len(script)
-    assert sum(drawn) == n  # every draw is emitted: none after the last token
+    assert sum(recorded) == n  # every draw recorded is emitted: none after the last token
     assert spec.accepted == n - 1 - core.decode_steps > 0  # the tokens beyond the prefill's and one per step
     assert core.stats()["generated_tokens"] == n
 
@@ -279,9 +283,9 @@ def test_speculation_turns_off_above_the_batch_limit(ck):
     batches = []
     propose = core.speculator.propose
 
-    def spy(ids, limits):
+    def spy(ids, limits, fill=None):
         batches.append(len(ids))
-        return propose(ids, limits)
+        return propose(ids, limits, fill)
 
     core.speculator.propose = spy
     off = flat(drive(make_core(ck, "off"), reqs(ck, cases)))
@@ -326,12 +330,57 @@ def test_a_batch_shares_the_verification_positions(ck):
     seen = []
     propose = core.speculator.propose
 
-    def spy(ids, limits):
+    def spy(ids, limits, fill=None):
         seen.append((len(ids), max(limits)))
-        return propose(ids, limits)
+        return propose(ids, limits, fill)
 
     core.speculator.propose = spy
     drive(core, reqs(ck, [(p, dict(max_new_tokens=40, temperature=0)) for p in PROMPTS[:4]]))
     assert 4 in {n for n, _ in seen}
     assert all(lim <= max(1, VERIFY_POSITIONS // n - 1) for n, lim in seen)
     assert max(lim for n, lim in seen if n == 4) == 3
+
+
+class _Priced:
+    """StepCosts at a fixed price: what the core times into it, and the price of every pass."""
+
+    def __init__(self, extra: float) -> None:
+        self.price, self.timed = extra, []
+
+    def plain(self, n, seconds):
+        self.timed.append(("plain", n))
+
+    def verify(self, n, positions, seconds):
+        self.timed.append(("verify", n, positions))
+
+    def extra(self, n, positions):
+        return self.price
+
+    def as_dict(self):
+        return {}
+
+
+@pytest.mark.parametrize("price, pays", [(0.2, True), (3.0, False)])
+def test_a_row_speculates_while_what_it_accepts_pays_for_its_passes(ck, price, pays):
+    """The core times its plain and speculative steps (engine.spec_decode.costs) and each row hears its pass's cost
+    beyond a plain step: proposals that all hold (2 tokens a pass, k = 2) pay for a pass priced at 0.2 steps more
+    and speculate throughout; at 3 steps more they lose, so the row pauses (probing again after each pause), and
+    decodes mostly plain steps. The tokens are those without speculation either way."""
+    prompt = ck.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(max_new_tokens=60, temperature=0)
+    script = flat(drive(make_core(ck, "off", n_slots=1), [EngineRequest("a", prompt, params, seed=0)]))["a"]["tokens"]
+    core = make_core(ck, "ngram", n_slots=1, spec_kw=dict(k=2))
+    spec = core.speculator
+    spec.costs = _Priced(price)
+    spec.ngram.propose = lambda tokens, k: script[len(tokens) - len(prompt):][:k]  # its own next: all hold
+    on = flat(drive(core, [EngineRequest("a", prompt, params, seed=0)]))
+    assert on["a"]["tokens"] == script
+    verified = [t for t in spec.costs.timed if t[0] == "verify"]
+    # one row, its last token and 2 proposed (1 where only 2 tokens are left to generate)
+    assert (1, 3) in {t[1:] for t in verified} <= {(1, 3), (1, 2)}
+    assert ("plain", 1) in spec.costs.timed or pays  # (speculating throughout, a row decodes no plain step)
+    assert spec.accepted == spec.proposed >= 2 * len(verified) - 1  # (the last may hold 1)
+    if pays:
+        assert len(verified) >= 18  # ~59 tokens, 3 a step
+    else:
+        assert len(verified) <= 5 and core.decode_steps > 40  # probes: after 8, 16, 32 steps

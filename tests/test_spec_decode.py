@@ -113,3 +113,53 @@ def test_a_draft_needs_the_targets_tokenizer(byte_tokenizer, tmp_path):
         check_draft(byte_tokenizer, other)
     with pytest.raises(DraftError, match="vocabulary of"):
         check_draft(byte_tokenizer, smaller)
+
+
+def test_a_pass_that_costs_more_than_a_row_accepts_pauses_it():
+    """AdaptiveK with the pass's measured extra cost (in plain steps): a row accepting 1 token a pass keeps
+    proposing where a pass costs 0.5 steps more than a plain one, and pauses where it costs 1.85 more (a compiled
+    pass and its draws on a CPU); unmeasured, a proposed token is priced at RATE_FLOOR (the eager rule)."""
+    cheap, dear = AdaptiveK(2), AdaptiveK(2)
+    for _ in range(12):
+        cheap.observe(cheap.budget() or 2, 1, extra=0.5)
+    assert not cheap.paused
+    steps = 0
+    while not dear.paused and steps < 12:
+        dear.observe(2, 1, extra=1.85)
+        steps += 1
+    assert dear.paused and steps < 6 and dear.misses < PATIENCE
+    default = AdaptiveK(4)  # 1 of 4 accepted: exactly RATE_FLOOR's share, and below it once it is 1 of 5
+    for _ in range(12):
+        default.observe(4, 1)
+    assert not default.paused
+    for _ in range(12):
+        default.observe(5, 1)
+    assert default.paused
+
+
+def test_step_costs_price_a_pass_in_plain_steps_of_its_batch():
+    from engine.spec_decode.costs import SPIKE_CAP, StepCosts
+
+    c = StepCosts()
+    assert c.extra(1, 3) is None  # nothing timed
+    c.verify(1, 3, 0.003)
+    assert c.extra(1, 3) is None  # no plain step of one row yet
+    c.plain(1, 0.001)
+    c.plain(2, 0.0015)
+    assert c.extra(1, 3) == pytest.approx(2.0) and c.extra(2, 3) is None and c.extra(1, 5) is None
+    for _ in range(200):  # the moving average follows the machine
+        c.verify(1, 3, 0.0015)
+    assert c.extra(1, 3) == pytest.approx(0.5, abs=1e-3)
+    c.plain(1, 1.0)  # a preemption counts as SPIKE_CAP times the average, not its own length
+    assert c.extra(1, 3) == pytest.approx(0.0015 / (0.001 + 0.1 * (SPIKE_CAP - 1) * 0.001) - 1, abs=1e-3)
+    c.verify(2, 2, 0.0006)  # cheaper than a plain step (a measurement's noise): no negative price
+    assert c.extra(2, 2) == 0.0
+    assert set(c.as_dict()) == {"1x3", "2x2"}
+
+
+def test_proposals_fill_the_pass_they_are_verified_in():
+    s = Speculator(parse_speculative("ngram", k=8, ngram_min=1))
+    s.add("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 1])
+    assert s.propose(["a"], [8]) == [[2, 3]]  # START_K
+    assert s.propose(["a"], [8], fill=lambda k: 2 * k) == [[2, 3, 4, 5]]
+    assert s.propose(["a"], [3], fill=lambda k: 2 * k) == [[2, 3, 4]]  # within the limit

@@ -7,7 +7,8 @@ core's batch (engine/core.py), so a request's tokens are the ones it would get w
   tokens that followed.
 - `draft`: a small model with the same tokenizer (`DraftProposer`), greedy, in KV slots of its own.
 - `adaptive`: how many tokens each request proposes (`AdaptiveK`): fewer after rejections, none for a while after
-  repeated misses.
+  repeated misses or while what it accepts does not pay for its passes.
+- `costs`: what a verification pass costs here (`StepCosts`), from the core's timings of its own steps.
 - `speculator`: the core's one handle (`Speculator`): each request's tokens, its proposals, the counters.
 
 Verification (EngineCore._verify): a decoding row with proposals d1..dk feeds [last, d1..dk] in one forward pass;

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from array import array
 
+from collections.abc import Callable
+
 from engine.spec_decode.adaptive import AdaptiveK
 from engine.spec_decode.config import SpecConfig
+from engine.spec_decode.costs import StepCosts
 from engine.spec_decode.ngram import NgramProposer
 
 
@@ -25,6 +28,7 @@ class Speculator:
         self.control: dict[str, AdaptiveK] = {}
         # counters: proposed tokens, those accepted, verified rows (a row with proposals in a step), steps verified
         self.proposed = self.accepted = self.rows = self.steps = 0
+        self.costs = StepCosts()  # the core times its steps into it
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: str, prompt: list[int]) -> None:
@@ -52,13 +56,16 @@ class Speculator:
         return request_id in self.tokens
 
     # ------------------------------------------------------------------ a step
-    def propose(self, request_ids: list[str], limits: list[int]) -> list[list[int]]:
+    def propose(self, request_ids: list[str], limits: list[int],
+                fill: Callable[[int], int] | None = None) -> list[list[int]]:
         """Proposals for these decoding requests (each at most its limit: room in the cache, tokens left to
-        generate); [] for a request that does not speculate, is paused or has nothing to propose."""
+        generate); [] for a request that does not speculate, is paused or has nothing to propose. `fill`: the
+        tokens a pass verifying k takes at the same price (a compiled pass's padded width, less one)."""
         budgets = []
         for rid, limit in zip(request_ids, limits):
             c = self.control.get(rid)
-            budgets.append(min(limit, c.budget()) if c is not None and limit > 0 else 0)
+            k = c.budget() if c is not None and limit > 0 else 0
+            budgets.append(min(limit, fill(k) if fill is not None and k else k))
         if self.ngram is not None:
             return [self.ngram.propose(self.tokens[rid], k) if k > 0 else [] for rid, k in zip(request_ids, budgets)]
         out = self.draft.propose([(rid, self.tokens.get(rid), k) for rid, k in zip(request_ids, budgets)])
@@ -67,16 +74,17 @@ class Speculator:
                 self.control[rid].observe(0, 0)
         return out
 
-    def observe(self, request_id: str, proposed: int, accepted: int) -> None:
+    def observe(self, request_id: str, proposed: int, accepted: int, extra: float | None = None) -> None:
+        """`extra`: what the pass cost beyond a plain step, in plain steps (`StepCosts.extra`; None: not timed)."""
         self.proposed += proposed
         self.accepted += accepted
         self.rows += 1
         c = self.control.get(request_id)
         if c is not None:
-            c.observe(proposed, accepted)
+            c.observe(proposed, accepted, extra)
 
     def stats(self) -> dict:
         return {"method": self.method, "k": self.config.k, "max_batch": self.config.max_batch,
                 "proposed_tokens": self.proposed, "accepted_tokens": self.accepted, "verified_rows": self.rows,
-                "verify_steps": self.steps,
+                "verify_steps": self.steps, "pass_cost_in_steps": self.costs.as_dict(),
                 "acceptance_rate": round(self.accepted / self.proposed, 4) if self.proposed else None}

@@ -168,7 +168,7 @@ def test_verification_draws_nothing_after_the_token_that_ends_a_request(ck, case
     core = make_core(ck, "ngram", n_slots=1, eos_id=eos)
     spec = core.speculator
 
-    def propose(ids, limits, fill=None):  # the script from the request's next token on, then filler, within the core's limits
+    def propose(ids, limits, fill=None):  # the script from the request's next token on, then filler, within limits
         return [(script[len(spec.tokens[rid]) - len(prompt):] + [0] * lim)[:lim] for rid, lim in zip(ids, limits)]
 
     recorded, state = [], core.sampler.state

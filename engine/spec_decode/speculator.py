@@ -6,7 +6,6 @@ that /info and Prometheus report. The core asks it for proposals for a step's de
 from __future__ import annotations
 
 from array import array
-
 from collections.abc import Callable
 
 from engine.spec_decode.adaptive import AdaptiveK

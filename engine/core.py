@@ -242,6 +242,8 @@ class EngineCore:
                 # what the pass cost beyond a plain step, from this core's timings (engine.spec_decode.costs), and
                 # what each row accepted: whether its proposals pay (engine.spec_decode.adaptive)
                 positions = 1 + max(map(len, proposals))
+                if self._compiled_passes(n):  # priced by the pass that ran: its padded width
+                    positions = self._compiled.fill(positions - 1) + 1
                 spec.costs.verify(n, positions, time.perf_counter() - t0)
                 extra = spec.costs.extra(n, positions)
                 for r, p, out in zip(step.decode, proposals, verified):
@@ -283,7 +285,7 @@ class EngineCore:
         lengths = self.cache.lengths
         per_row = max(1, VERIFY_POSITIONS // len(decode) - 1)
         fill = None
-        if self._compiled is not None and len(decode) <= self._compiled.max_batch:
+        if self._compiled_passes(len(decode)):
             # a batch the compiled steps decode verifies through a compiled pass (engine.compiled_decode), within
             # its room, or not at all: an eager one costs ~4x a compiled step, and on the copy workload made for
             # speculation it cost more than it saved (docs/performance.md, "Decode steps compiled ahead of time");
@@ -300,6 +302,10 @@ class EngineCore:
         # one padded pass: every row computes 1 + the longest proposal positions, which must fit every slot
         room = min(self.max_len - lengths[i] - 1 for i in range(len(decode)))
         return [p[:room] for p in proposals] if room > 0 else None
+
+    def _compiled_passes(self, n: int) -> bool:
+        """Whether a batch of n decoding rows verifies through compiled passes (or not at all)."""
+        return self._compiled is not None and n <= self._compiled.max_batch
 
     def _verify(self, decode, proposals: list[list[int]], masks) -> list[list]:
         """Score every decoding row at 1 + its proposal's positions in one pass, then draw position by position

@@ -627,6 +627,8 @@ def test_speculation_verifies_one_row_through_the_compiled_pass(monkeypatch, cap
     while spec.has_work():
         spec.step()
     assert fills and all(f == spec._compiled.fill for f in fills)  # the core's proposals fill its compiled passes
+    priced = spec.speculator.costs._verify  # and each pass is priced by the width that ran
+    assert priced and set(priced) <= {(1, 3), (1, 5), (1, 9)}
 
 
 @pytest.mark.parametrize("prompt_len, widths", [(58, {3, 5}), (62, set())])

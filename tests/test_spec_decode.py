@@ -142,16 +142,18 @@ def test_step_costs_price_a_pass_in_plain_steps_of_its_batch():
 
     c = StepCosts()
     assert c.extra(1, 3) is None  # nothing timed
+    c.verify(1, 3, 0.5)  # each kind's first step is not counted (a package's first run)
     c.verify(1, 3, 0.003)
     assert c.extra(1, 3) is None  # no plain step of one row yet
-    c.plain(1, 0.001)
-    c.plain(2, 0.0015)
+    for n, seconds in ((1, 0.2), (1, 0.001), (2, 0.3), (2, 0.0015)):
+        c.plain(n, seconds)
     assert c.extra(1, 3) == pytest.approx(2.0) and c.extra(2, 3) is None and c.extra(1, 5) is None
     for _ in range(200):  # the moving average follows the machine
         c.verify(1, 3, 0.0015)
     assert c.extra(1, 3) == pytest.approx(0.5, abs=1e-3)
     c.plain(1, 1.0)  # a preemption counts as SPIKE_CAP times the average, not its own length
     assert c.extra(1, 3) == pytest.approx(0.0015 / (0.001 + 0.1 * (SPIKE_CAP - 1) * 0.001) - 1, abs=1e-3)
+    c.verify(2, 2, 0.0006)
     c.verify(2, 2, 0.0006)  # cheaper than a plain step (a measurement's noise): no negative price
     assert c.extra(2, 2) == 0.0
     assert set(c.as_dict()) == {"1x3", "2x2"}

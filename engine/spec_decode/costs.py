@@ -6,6 +6,9 @@ pays for its pass (engine.spec_decode.adaptive).
     costs.verify(n, T, seconds)    # a speculative step of n rows and T positions a row (proposals, pass, draws)
     costs.extra(n, T)              # what that pass costs beyond a plain step, in plain steps (None: not timed yet)
 
+Each kind's first step is not counted (one-time costs: a compiled pass's first run); a compiled pass is priced by
+its padded width (the core passes it as T).
+
 A pass's price depends on the machine, the model and the path: on the bundled model at batch 1 (AVX2, 2 threads)
 an eager pass cost ~1.25 eager steps, a compiled one with its draws 2-3 compiled steps (docs/performance.md,
 "Speculation that pays for itself"): a constant cannot hold both, a timing of the steps the core runs can.
@@ -21,11 +24,16 @@ class StepCosts:
     def __init__(self) -> None:
         self._plain: dict[int, float] = {}
         self._verify: dict[tuple[int, int], float] = {}
+        self._seen: set = set()  # keys timed once: a kind's first step pays one-time costs (a package's first run)
 
-    @staticmethod
-    def _update(avg: dict, key, seconds: float) -> None:
+    def _update(self, avg: dict, key, seconds: float) -> None:
         old = avg.get(key)
-        avg[key] = seconds if old is None else old + WEIGHT * (min(seconds, SPIKE_CAP * old) - old)
+        if old is not None:
+            avg[key] = old + WEIGHT * (min(seconds, SPIKE_CAP * old) - old)
+        elif (id(avg), key) in self._seen:
+            avg[key] = seconds
+        else:
+            self._seen.add((id(avg), key))
 
     def plain(self, n: int, seconds: float) -> None:
         self._update(self._plain, n, seconds)

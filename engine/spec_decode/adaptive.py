@@ -2,7 +2,7 @@
 
 A verification pass of a row yields 1 + the tokens it accepts and costs 1 + `extra` plain decode steps, so it pays
 while the row accepts more than `extra` tokens a pass. `extra` is measured where the engine core has timed its steps
-(engine.spec_decode.costs: on a CPU at batch 1 a compiled pass with its draws cost 2-3 compiled steps, not the
+(engine.spec_decode.costs: on a CPU at batch 1 a compiled pass with its draws costs 2-3 compiled steps, not the
 ~1.25 of an eager pass); until then it is `RATE_FLOOR` a proposed token (the bundled model, 1 thread, eager: a pass
 over 2-5 positions took ~1.2-1.3x a plain decode step, so a proposal had to hold about a quarter of its tokens).
 A request's first proposal is `START_K` tokens long (a failed probe is a cheap pass), after a partial acceptance of

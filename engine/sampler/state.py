@@ -190,4 +190,3 @@ class SlotState:
         self.history[each, at] = device_index([t for run in tokens for t in run], dev)
         self.length[index] += device_index(counts, dev)
         self.last[index] = device_index([run[-1] for run in tokens], dev)
-

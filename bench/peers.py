@@ -37,7 +37,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from bench.common import CACHE, env_info, median, print_table, random_gpt2, set_threads, write_result
-from bench.harness import Server, SSEConnection, free_port, tree_memory_mb
+from bench.harness import Server, SSEConnection, compile_bytecode, free_port, tree_memory_mb
 from bench.peer_setup import TORCH_VERSION, setup_peers
 
 CONTEXT = 1024  # GPT-2's context: every server gets SLOTS sequences of this length
@@ -550,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if unavailable else 0
 
     info = env_info()
+    compile_bytecode()  # our start timed as installed, not compiling its modules from source
     eq_prompt = equality_prompt(checkpoint) if args.equality_tokens > 0 else []
     logs = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     runnable = [s for s in servers if s not in unavailable]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import env_info, median, random_gpt2, write_result
-from bench.harness import Server, free_port, tree_memory_mb
+from bench.harness import Server, compile_bytecode, free_port, tree_memory_mb
 from bench.peers import CONTEXT, MODEL_NAME, SLOTS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,6 +33,7 @@ def servers(model: str, checkpoint: Path, args, logdir: Path) -> dict[str, Serve
     out: dict[str, Server] = {}
     trees = {"ours": REPO} | ({"ours-base": Path(args.base).resolve()} if args.base else {})
     for name, tree in trees.items():
+        compile_bytecode(tree)
         port = free_port()
         out[name] = Server(name, ["env", "-C", str(tree), sys.executable, "-m", "app", "--checkpoint", str(checkpoint),
                                   "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "fp32",

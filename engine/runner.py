@@ -42,6 +42,9 @@ from model.gpt import GPT
 from model.kv_cache import KVCache, device_index
 from model.linear import DEFAULT_INT4_GROUP, convert, drop_plain, small_linear_forced, tune, weight_bytes
 
+# rows a CPU's warm-up prefills and decodes (ModelRunner.warmup): a batch, and a row alone after it
+CPU_WARM_ROWS = 2
+
 if TYPE_CHECKING:
     from engine.spec_decode import Speculator
 
@@ -238,9 +241,12 @@ class ModelRunner:
         chunk a step prefills (GPT-2: 1.8 s of start-up) gave a fresh server's first long prompt no measurable
         gain (docs/performance.md, "Start-up")."""
         t0 = time.perf_counter()
-        n = self.n_slots
+        # a CPU warms a few rows, not every slot: a new batch size's first step costs 2-16 ms more than its next
+        # (GPT-2, oneDNN's primitives) while 32 rows of prefill and decode took ~0.3 s of the start in-process
+        # and ~0.5 s in a server (docs/performance.md, "Start-up"); CUDA warms every slot before its capture
+        n = self.n_slots if self.device.type != "cpu" else min(self.n_slots, CPU_WARM_ROWS)
         try:
-            if self.max_len >= 3:  # a 2-token prefill of every slot at once, then a sampled decode step
+            if self.max_len >= 3:  # a 2-token prefill of those slots at once, then a sampled decode step
                 for s in range(n):
                     self.sampler.admit(s, SamplingParams(temperature=1.0, top_p=0.9), [0, 0], seed=s)
                 logits = self.model.forward_cached(self.sampler.history[:n, :2], self.cache, range(n))

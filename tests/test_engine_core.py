@@ -335,3 +335,31 @@ def test_the_cache_starts_unwritten_and_is_made_resident_after_warm_up(ckpt):
                             eos_id=ckpt.tokenizer.eot_id, compile="off"), requests(ckpt, CASES[:2]))
     assert [t for o in out["0"] for t in o.token_ids] == [t for o in solo["0"] for t in o.token_ids]
     assert [t for o in out["1"] for t in o.token_ids] == [t for o in solo["1"] for t in o.token_ids]
+
+
+
+def test_a_cpu_warm_up_runs_a_few_rows_and_leaves_every_slot_free(ckpt, monkeypatch):
+    """Warm-up on a CPU prefills and decodes CPU_WARM_ROWS rows, not every slot (a 32-slot GPT-2 warm-up was ~0.5 s
+    of the start), and hands back an engine whose slots are all empty: as many requests as slots afterwards get the
+    tokens of an engine never warmed."""
+    from engine.runner import CPU_WARM_ROWS
+
+    def engine() -> EngineCore:
+        return EngineCore(ckpt.model, n_slots=len(CASES), vocab_size=ckpt.tokenizer.vocab_size,
+                          eos_id=ckpt.tokenizer.eot_id, compile="off")
+
+    core, rows = engine(), []
+    forward = type(core.runner.model).forward_cached
+
+    def counting(self, idx, *args, **kwargs):
+        rows.append(idx.shape[0])
+        return forward(self, idx, *args, **kwargs)
+
+    monkeypatch.setattr(type(core.runner.model), "forward_cached", counting)
+    core.warmup()
+    monkeypatch.undo()
+    assert core.warmup_error is None and max(rows) == CPU_WARM_ROWS < core.n_slots
+    assert core.cache.lengths == [0] * core.n_slots
+    out, cold = drive(core, requests(ckpt, CASES)), drive(engine(), requests(ckpt, CASES))
+    for r in out:
+        assert [t for o in out[r] for t in o.token_ids] == [t for o in cold[r] for t in o.token_ids], r

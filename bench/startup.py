@@ -2,6 +2,7 @@
 
     python -m bench.startup                     # GPT-2 124M (random, bench/common.py) and the bundled model
     python -m bench.startup --base ../base      # also ours from another checkout (a before/after)
+    python -m bench.startup --models gpt2 --formats fp32,int8   # --quantize int8 against llama-server's q8_0
 
 Each round starts every server in turn (the order reversed on odd rounds) with the settings users run: ours
 `python -m app --device cpu --dtype fp32` (its own thread choice, its default slots: 32 on a CPU), llama-server
@@ -25,29 +26,32 @@ from bench.peers import CONTEXT, MODEL_NAME, SLOTS
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS = Path.home() / ".cache" / "gpt-serve-bench" / "peers"
-MODELS = {"gpt2": ("gpt2-random-s0-f32.gguf", None),
-          "shakespeare": ("shakespeare-ours-f32.gguf", REPO / "checkpoints" / "shakespeare")}
+MODELS = {"gpt2": ("gpt2-random-s0", None),
+          "shakespeare": ("shakespeare-ours", REPO / "checkpoints" / "shakespeare")}
+# ours `--quantize` → llama-server's GGUF of the same weights in the format llama.cpp users pick for it
+FORMATS = {"fp32": ("none", "f32"), "int8": ("int8", "q8_0"), "int4": ("int4", "q4_0")}
 
 
-def servers(model: str, checkpoint: Path, args, logdir: Path) -> dict[str, Server]:
+def servers(model: str, fmt: str, checkpoint: Path, args, logdir: Path) -> dict[str, Server]:
     out: dict[str, Server] = {}
+    quantize, gguf_type = FORMATS[fmt]
     trees = {"ours": REPO} | ({"ours-base": Path(args.base).resolve()} if args.base else {})
     for name, tree in trees.items():
         compile_bytecode(tree)
         port = free_port()
         out[name] = Server(name, ["env", "-C", str(tree), sys.executable, "-m", "app", "--checkpoint", str(checkpoint),
                                   "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "fp32",
-                                  "--model-name", MODEL_NAME, "--log-level", "warning"],
-                           {}, logdir / f"{model}-{name}.log", port, wait_compile=False)
-    gguf = Path(args.peers_dir) / "models" / MODELS[model][0]
+                                  "--quantize", quantize, "--model-name", MODEL_NAME, "--log-level", "warning"],
+                           {}, logdir / f"{model}-{fmt}-{name}.log", port, wait_compile=False)
+    gguf = Path(args.peers_dir) / "models" / f"{MODELS[model][0]}-{gguf_type}.gguf"
     llama = Path(args.peers_dir) / "llama-build" / "bin" / "llama-server"
     if gguf.is_file() and llama.is_file():
         port = free_port()
         ctx = min(CONTEXT, json.loads((checkpoint / "config.json").read_text())["block_size"])
-        out["llama-f32"] = Server("llama-f32", [str(llama), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+        out[f"llama-{gguf_type}"] = Server(f"llama-{gguf_type}", [str(llama), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                                                 "-t", str(args.threads), "-tb", str(args.threads), "-c",
                                                 str(ctx * SLOTS), "-np", str(SLOTS), "--alias", MODEL_NAME,
-                                                "--no-webui"], {}, logdir / f"{model}-llama.log", port)
+                                                "--no-webui"], {}, logdir / f"{model}-{fmt}-llama.log", port)
     else:
         print(f"  no llama-server or {gguf.name}: run `python -m bench.peers --setup-only` first", file=sys.stderr)
     return out
@@ -69,6 +73,8 @@ def one(server: Server) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt2,shakespeare", help="comma-separated subset of gpt2, shakespeare")
+    ap.add_argument("--formats", default="fp32", help=f"comma-separated subset of {list(FORMATS)} (ours --quantize; "
+                    "llama-server's GGUF: f32, q8_0, q4_0)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="llama-server's -t")
     ap.add_argument("--base", default=None, help="another checkout of this repository: its server too, as ours-base")
@@ -78,16 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     logdir = Path(args.peers_dir) / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"env": env_info(), "args": vars(args), "models": {}}
-    for model in args.models.split(","):
+    runs_of = [(m, f) for m in args.models.split(",") for f in args.formats.split(",")]
+    for model, fmt in runs_of:
+        key = model if fmt == "fp32" else f"{model}-{fmt}"
         checkpoint = MODELS[model][1] or random_gpt2()[1]
-        srv = servers(model, checkpoint, args, logdir)
+        srv = servers(model, fmt, checkpoint, args, logdir)
         runs: dict[str, list] = {name: [] for name in srv}
         for r in range(args.rounds):
             order = list(srv) if r % 2 == 0 else list(srv)[::-1]
             for name in order:
                 rec = one(srv[name])
                 runs[name].append(rec)
-                print(f"  {model} round {r + 1} {name:10s} {rec}", flush=True)
+                print(f"  {key} round {r + 1} {name:10s} {rec}", flush=True)
         summary = {}
         for name, recs in runs.items():
             ok = [x for x in recs if "error" not in x]
@@ -95,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
                              "startup_range": [min(x["startup_s"] for x in ok), max(x["startup_s"] for x in ok)]
                              if ok else None,
                              "idle_pss_mb": median([x["idle_pss_mb"] for x in ok]) if ok else None}
-        if summary.get("llama-f32", {}).get("startup_s") and summary["ours"]["startup_s"]:
-            ratio = summary["ours"]["startup_s"] / summary["llama-f32"]["startup_s"]
+        peer = f"llama-{FORMATS[fmt][1]}"
+        if summary.get(peer, {}).get("startup_s") and summary["ours"]["startup_s"]:
+            ratio = summary["ours"]["startup_s"] / summary[peer]["startup_s"]
             summary["ours_over_llama_startup"] = round(ratio, 2)
-        results["models"][model] = {"runs": runs, "summary": summary}
-        print(json.dumps({model: summary}), flush=True)
+        results["models"][key] = {"runs": runs, "summary": summary}
+        print(json.dumps({key: summary}), flush=True)
     write_result(args.out, results)
     return 0
 

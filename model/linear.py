@@ -38,6 +38,8 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 import warnings
 import weakref
 
@@ -593,30 +595,44 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
     # fp32 / bf16 go to oneDNN's packed layout where this CPU packs that dtype; elsewhere (bf16 without AVX-512 /
     # AVX-NE-CONVERT, fp16 everywhere) the plain nn.Linear stays and runs through F.linear (docs/api.md, formats)
     pack = fmt == "none" and device.type == "cpu" and ONEDNN_LINEAR is not None and cpu_support.support().packs(dtype)
-    swapped = 0
+
+    def served(name: str, make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        def run() -> nn.Module:
+            try:
+                return make()
+            except RuntimeError as e:  # a kernel that refuses this CPU or device: name the step, not a later one
+                raise FormatError(f"cannot prepare {name} ({fmt}, {str(dtype).removeprefix('torch.')}) for this "
+                                  f"{device.type}'s kernels: {e}") from e
+        return run
+
+    jobs: dict[str, Callable[[], nn.Module]] = {}
+    if fmt != "none":  # the largest first: the tied table and its head
+        wte = model.transformer.wte
+        jobs["transformer.wte"] = served("transformer.wte", lambda: Int8Embedding(wte.weight, dtype))
+    places = {}
     for name, parent, child_name, lin in list(block_linears(model)):
-        new = None
-        try:
-            if fmt == "none":
-                if pack:
-                    new = PackedLinear(lin, keep_plain)
-            elif fmt == "int8":
-                new = Int8Linear(*quantize_int8(lin.weight), lin.bias, dtype)
-            else:
-                new = Int4Linear(*quantize_int4(lin.weight, group), lin.bias, dtype, group)
-        except RuntimeError as e:  # a kernel that refuses this CPU or device: name the step, not a later one
-            raise FormatError(f"cannot prepare {name} ({fmt}, {str(dtype).removeprefix('torch.')}) for this "
-                              f"{device.type}'s kernels: {e}") from e
-        if new is not None:
-            setattr(parent, child_name, new)  # the plain weight is freed with the old module
-            swapped += 1
-    if fmt == "none" and swapped and hasattr(model, "lm_head") and type(model.lm_head) is nn.Linear:
+        if fmt == "none" and not pack:
+            continue
+        places[name] = (parent, child_name)
+        if fmt == "none":
+            jobs[name] = served(name, functools.partial(PackedLinear, lin, keep_plain))
+        elif fmt == "int8":
+            jobs[name] = served(name, lambda lin=lin: Int8Linear(*quantize_int8(lin.weight), lin.bias, dtype))
+        else:
+            jobs[name] = served(name, lambda lin=lin: Int4Linear(*quantize_int4(lin.weight, group), lin.bias, dtype,
+                                                                 group))
+    if fmt == "none" and places and hasattr(model, "lm_head") and type(model.lm_head) is nn.Linear:
         # the tied head gets its own packed copy (the embedding keeps reading the plain rows): through the plain
         # weight oneDNN reorders 50k x 768 on every call (docs/performance.md has what that cost)
-        model.lm_head = PackedLinear(model.lm_head, keep_plain)
+        jobs["lm_head"] = served("lm_head", functools.partial(PackedLinear, model.lm_head, keep_plain))
+    made = _in_parallel(jobs) if device.type == "cpu" else {name: job() for name, job in jobs.items()}
+    for name, (parent, child_name) in places.items():
+        setattr(parent, child_name, made[name])  # the plain weight is freed with the old module
+    swapped = len(places)
+    if "lm_head" in made:
+        model.lm_head = made["lm_head"]
     if fmt != "none":
-        wte = model.transformer.wte
-        emb = Int8Embedding(wte.weight, dtype)
+        emb = made["transformer.wte"]
         model.transformer.wte = emb
         model.lm_head = emb.head
     # what stays plain (LayerNorms, position and token embeddings) gets storage of its own: loaded tensors are views
@@ -630,6 +646,22 @@ def convert(model: nn.Module, fmt: str = "none", group: int = DEFAULT_INT4_GROUP
             if not (isinstance(m, PackedLinear) and name == "weight"):
                 setattr(m, name, b.clone())
     return {"format": fmt, "swapped": swapped, "group": group if fmt == "int4" else None}
+
+
+def _in_parallel(jobs: dict[str, Callable[[], nn.Module]]) -> dict[str, nn.Module]:
+    """Run a conversion's layer jobs on the process's torch threads, a layer a thread and each of its ops on one:
+    fbgemm's prepack runs a call on one thread, so GPT-2's int8 conversion took 1.0-1.1 s in order and 0.70-0.77 s
+    so on 2 cores, the largest (the head) first (docs/performance.md, "Start-up"). Results by name, as given."""
+    workers = torch.get_num_threads()
+    if workers < 2 or len(jobs) < 2:
+        return {name: job() for name, job in jobs.items()}
+    torch.set_num_threads(1)  # the pool's threads take this count when they first run an op
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="convert") as pool:
+            futures = {name: pool.submit(job) for name, job in jobs.items()}
+            return {name: f.result() for name, f in futures.items()}
+    finally:
+        torch.set_num_threads(workers)
 
 
 def drop_plain(model: nn.Module) -> None:

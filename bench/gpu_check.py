@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -330,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         ("train", lambda: train_check(work)),
         ("finetune", lambda: finetune_check(work, Path(report["stages"]["train"]["checkpoint"]))),
     ]
-    failure = run_stages(stages, report)
+    try:
+        failure = run_stages(stages, report)
+    finally:  # the stages' checkpoints and training runs: what they found is in the report
+        shutil.rmtree(work, ignore_errors=True)
     path = write_result(args.out, report)
     if failure is not None:
         print(f"{failure} (report: {path})", file=sys.stderr)

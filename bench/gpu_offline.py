@@ -31,6 +31,7 @@ import json
 import os
 import pkgutil
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -140,21 +141,25 @@ def wheels_stage(run_pip: Callable[..., subprocess.CompletedProcess] = subproces
     target = CARRY / "site" if here else Path(tempfile.mkdtemp(prefix="gpu-carry-check-"))
     stamp = target / ".installed"
     pins = "\n".join(carried_dists())
-    if here and stamp.is_file() and stamp.read_text() == pins:
-        note = "already installed"
-    else:
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--upgrade",
-               "--disable-pip-version-check", "--target", str(target)]
-        if not here:
-            cmd += ["--only-binary=:all:", "--implementation", "cp", "--python-version", "3.12"] + [
-                x for p in ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
-                            "manylinux2014_x86_64", "any") for x in ("--platform", p)]
-        proc = run_pip(cmd + [str(w) for w in wheels], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"pip could not install the carried wheels: {one_line(proc.stderr, 300)}")
-        target.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(pins)
-        note = f"installed {len(wheels)} wheels"
+    try:
+        if here and stamp.is_file() and stamp.read_text() == pins:
+            note = "already installed"
+        else:
+            cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--upgrade",
+                   "--disable-pip-version-check", "--target", str(target)]
+            if not here:
+                cmd += ["--only-binary=:all:", "--implementation", "cp", "--python-version", "3.12"] + [
+                    x for p in ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
+                                "manylinux2014_x86_64", "any") for x in ("--platform", p)]
+            proc = run_pip(cmd + [str(w) for w in wheels], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"pip could not install the carried wheels: {one_line(proc.stderr, 300)}")
+            target.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(pins)
+            note = f"installed {len(wheels)} wheels"
+    finally:
+        if not here:  # the files were checked (or pip refused them): the scratch install is not used
+            shutil.rmtree(target, ignore_errors=True)
     if here:
         sys.path.insert(0, str(target))
         os.environ["PYTHONPATH"] = os.pathsep.join([str(target), str(REPO), os.environ.get("PYTHONPATH", "")])
@@ -659,7 +664,10 @@ def main(argv: list[str] | None = None) -> int:
                             if s.name not in keep}
         stages = [s for s in stages if s.name in keep]
     print(f"gpu-check ({args.device}), budget {args.budget_s:.0f} s:", flush=True)
-    failures = run_stages(stages, budget, report)
+    try:
+        failures = run_stages(stages, budget, report)
+    finally:  # the stages' checkpoints and training runs: what they found is in the report
+        shutil.rmtree(work, ignore_errors=True)
     report["stages"] = {name: report["stages"][name] for name in order}
     report.update(failures=failures, seconds=round(budget.total_s - budget.left(), 1),
                   path=str(out / "gpu-check.json"))

@@ -48,10 +48,11 @@ def servers(model: str, fmt: str, checkpoint: Path, args, logdir: Path) -> dict[
     if gguf.is_file() and llama.is_file():
         port = free_port()
         ctx = min(CONTEXT, json.loads((checkpoint / "config.json").read_text())["block_size"])
-        out[f"llama-{gguf_type}"] = Server(f"llama-{gguf_type}", [str(llama), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                                                "-t", str(args.threads), "-tb", str(args.threads), "-c",
-                                                str(ctx * SLOTS), "-np", str(SLOTS), "--alias", MODEL_NAME,
-                                                "--no-webui"], {}, logdir / f"{model}-{fmt}-llama.log", port)
+        peer = f"llama-{gguf_type}"
+        out[peer] = Server(peer, [str(llama), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                                  "-t", str(args.threads), "-tb", str(args.threads), "-c", str(ctx * SLOTS),
+                                  "-np", str(SLOTS), "--alias", MODEL_NAME, "--no-webui"],
+                           {}, logdir / f"{model}-{fmt}-llama.log", port)
     else:
         print(f"  no llama-server or {gguf.name}: run `python -m bench.peers --setup-only` first", file=sys.stderr)
     return out

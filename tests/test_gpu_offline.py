@@ -76,6 +76,7 @@ def test_the_carried_wheels_go_first_on_the_path_on_python_312_and_are_only_chec
             str(tmp_path / "site") if here else None)
         assert {"--no-index", "--no-deps"} <= set(cmd) and cmd[-1].endswith("a-1.0-py3-none-any.whl")
         assert ("--python-version" in cmd) is not here  # elsewhere: installed for 3.12, into a scratch folder
+        assert here or not Path(cmd[cmd.index("--target") + 1]).exists()  # ... which is removed after the check
         assert (sys.path[0] == str(tmp_path / "site")) is here
         assert os.environ["PYTHONPATH"].startswith(str(tmp_path / "site")) is here
     monkeypatch.setattr(sys, "version_info", (3, 12, 0, "final", 0))
@@ -88,8 +89,12 @@ def test_a_pip_failure_fails_the_stage_with_pips_words(tmp_path, monkeypatch):
     (tmp_path / "wheels" / "a-1.0-py3-none-any.whl").write_bytes(b"")
     monkeypatch.setattr(go, "CARRY", tmp_path)
     fail = lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "ERROR: a-1.0 is not a valid wheel")  # noqa: E731
+    scratch = []
+    monkeypatch.setattr(go.tempfile, "mkdtemp", lambda prefix: scratch.append(tmp_path / prefix) or
+                        (tmp_path / prefix).mkdir() or str(tmp_path / prefix))
     with pytest.raises(RuntimeError, match="not a valid wheel"):
         go.wheels_stage(fail)
+    assert scratch and not scratch[0].exists()  # this Python's scratch install goes with the failure
 
 
 def run_script(tmp_path: Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict]:

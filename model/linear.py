@@ -38,10 +38,10 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 import warnings
 import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn as nn

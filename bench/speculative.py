@@ -22,6 +22,8 @@ Workloads (batch 1 unless named streams):
   speculation costs where a step is compute-bound (GPT_SPECULATIVE_MAX_BATCH turns it off there by default).
 - crossover2 / 4 / 8 / 16 (not in the default list): the bundled model's greedy openings as 2-16 streams at once,
   64 new tokens: where speculation stops paying as the batch grows (run them with --max-batch 64).
+- sampled2 / 4 (not in the default list): the same openings as 2 / 4 sampled streams (T 0.8, top-p 0.95, seeded),
+  64 new tokens: batches within the default GPT_SPECULATIVE_MAX_BATCH whose drafts mostly fail.
 - gpt2: random GPT-2 124M (bench/common.random_gpt2; greedy text of random weights loops), greedy, batch 1, 96 new
   tokens; its draft is its own first 2 blocks with its head (bench/spec_models.py build_truncated: a read-bound
   target with a cheap draft that agrees with it, where no trained pair with GPT-2's tokenizer is at hand offline).
@@ -93,6 +95,12 @@ def workloads(quick: bool, copy_dir: Path | None, draft_dir: Path | None) -> dic
         out[f"crossover{b}"] = dict(target=BUNDLED, draft=draft_dir, batch=b, requests=[
             (tok.encode(OPENINGS[i % len(OPENINGS)]), SamplingParams(max_new_tokens=16 if quick else 64, temperature=0,
                                                                      stop_at_eos=False)) for i in range(b)])
+    for b in (2, 4):  # the same openings sampled (T 0.8, top-p 0.95, seeded): few drafts hold, within the default
+        # GPT_SPECULATIVE_MAX_BATCH (4), where the core's priced passes should pause speculation (engine/spec_decode)
+        out[f"sampled{b}"] = dict(target=BUNDLED, draft=draft_dir, batch=b, requests=[
+            (tok.encode(OPENINGS[i % len(OPENINGS)]), SamplingParams(
+                max_new_tokens=16 if quick else 64, temperature=0.8, top_p=0.95, seed=i, stop_at_eos=False))
+            for i in range(b)])
     gpt2 = CACHE / "gpt2-random-s0"
     if (gpt2 / "config.json").is_file():
         g = load_checkpoint(gpt2).tokenizer

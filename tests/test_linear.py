@@ -342,6 +342,23 @@ def test_a_conversion_on_two_threads_is_the_conversion_on_one(fmt):
             assert torch.equal(q1, q2) and torch.equal(s1, s2), name
 
 
+@needs_onednn
+@pytest.mark.usefixtures("threads_restored")
+def test_tune_s_column_major_copies_made_on_two_threads_are_each_layer_s_own(monkeypatch):
+    monkeypatch.setenv("GPT_SMALL_LINEAR", "mkl")
+    torch.set_num_threads(2)
+    model = small_gpt()
+    plain = {n: p.detach().clone() for n, p in model.named_parameters()}
+    L.convert(model, "none", keep_plain=True)
+    L.tune(model)
+    assert torch.get_num_threads() == 2
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, L.PackedLinear)}
+    assert len(layers) == 9
+    for name, m in layers.items():
+        weight = plain["transformer.wte.weight" if name == "lm_head" else f"{name}.weight"]
+        assert torch.equal(m.column_major, weight) and m.column_major.stride() == (1, m.out_features), name
+
+
 @pytest.mark.usefixtures("threads_restored")
 def test_a_layer_s_kernel_that_refuses_names_the_layer_from_a_conversion_thread(monkeypatch):
     torch.set_num_threads(2)

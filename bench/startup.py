@@ -22,7 +22,7 @@ from typing import Any
 
 from bench.common import env_info, median, random_gpt2, write_result
 from bench.harness import Server, compile_bytecode, free_port, tree_memory_mb
-from bench.peers import CONTEXT, MODEL_NAME, SLOTS
+from bench.peers import CONTEXT, MODEL_NAME, SLOTS, parse_list
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS = Path.home() / ".cache" / "gpt-serve-bench" / "peers"
@@ -37,7 +37,6 @@ def servers(model: str, fmt: str, checkpoint: Path, args, logdir: Path) -> dict[
     quantize, gguf_type = FORMATS[fmt]
     trees = {"ours": REPO} | ({"ours-base": Path(args.base).resolve()} if args.base else {})
     for name, tree in trees.items():
-        compile_bytecode(tree)
         port = free_port()
         out[name] = Server(name, ["env", "-C", str(tree), sys.executable, "-m", "app", "--checkpoint", str(checkpoint),
                                   "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "fp32",
@@ -85,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     logdir = Path(args.peers_dir) / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"env": env_info(), "args": vars(args), "models": {}}
-    runs_of = [(m, f) for m in args.models.split(",") for f in args.formats.split(",")]
+    runs_of = [(m, f) for m in parse_list(args.models, MODELS, "models") for f in parse_list(args.formats, FORMATS,
+                                                                                            "formats")]
+    for tree in [REPO] + ([Path(args.base).resolve()] if args.base else []):
+        compile_bytecode(tree)  # each checkout's start timed as installed
     for model, fmt in runs_of:
         key = model if fmt == "fp32" else f"{model}-{fmt}"
         checkpoint = MODELS[model][1] or random_gpt2()[1]

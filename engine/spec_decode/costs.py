@@ -24,22 +24,25 @@ class StepCosts:
     def __init__(self) -> None:
         self._plain: dict[int, float] = {}
         self._verify: dict[tuple[int, int], float] = {}
-        self._seen: set = set()  # keys timed once: a kind's first step pays one-time costs (a package's first run)
+        # keys timed once: a kind's first step pays one-time costs (a package's first run) and is not counted
+        self._first_plain: set[int] = set()
+        self._first_verify: set[tuple[int, int]] = set()
 
-    def _update(self, avg: dict, key, seconds: float) -> None:
+    @staticmethod
+    def _update(avg: dict, first: set, key, seconds: float) -> None:
         old = avg.get(key)
         if old is not None:
             avg[key] = old + WEIGHT * (min(seconds, SPIKE_CAP * old) - old)
-        elif (id(avg), key) in self._seen:
+        elif key in first:
             avg[key] = seconds
         else:
-            self._seen.add((id(avg), key))
+            first.add(key)
 
     def plain(self, n: int, seconds: float) -> None:
-        self._update(self._plain, n, seconds)
+        self._update(self._plain, self._first_plain, n, seconds)
 
     def verify(self, n: int, positions: int, seconds: float) -> None:
-        self._update(self._verify, (n, positions), seconds)
+        self._update(self._verify, self._first_verify, (n, positions), seconds)
 
     def extra(self, n: int, positions: int) -> float | None:
         """A pass of n rows and `positions` positions a row beyond a plain step of n rows, in plain steps (≥ 0), or

@@ -88,17 +88,27 @@ ENV PATH=/opt/venv/bin:$PATH \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     TIKTOKEN_CACHE_DIR=/cache/tiktoken \
+    GPT_COMPILE_CACHE=/cache/compiled \
     GPT_CHECKPOINT=/app/checkpoints/shakespeare
 
 SHELL ["/bin/sh", "-eu", "-c"]
 
-# Unprivileged user; /cache/tiktoken (tokenizer ranks downloaded once, kept on a volume) and
-# /checkpoints (mount point for user checkpoints) are owned by it, so fresh named volumes mounted
-# there inherit that ownership.
+# A C++ compiler at run time: inductor's CPU kernels (GPT_COMPILE=auto|on: the decode step and attention that
+# engine/compiled_decode.py and engine/compiled_attention.py build in the background) are C++ compiled in the
+# container, so without g++ `auto` stays eager. g++ brings gcc (with OpenMP's omp.h / libgomp) and libc6-dev.
+# hadolint ignore=DL3008
+RUN apt-get update; \
+    apt-get install -y --no-install-recommends g++; \
+    rm -rf /var/lib/apt/lists/*
+
+# Unprivileged user; /cache/tiktoken (tokenizer ranks downloaded once), /cache/compiled (the compiled decode
+# steps, GPT_COMPILE_CACHE: a new container loads them in seconds instead of compiling for minutes) and
+# /checkpoints (mount point for user checkpoints) are owned by it, so fresh named volumes mounted there
+# inherit that ownership.
 RUN groupadd --system --gid 10001 app; \
     useradd --system --uid 10001 --gid app --home-dir /home/app --create-home --shell /usr/sbin/nologin app; \
-    mkdir -p /cache/tiktoken /checkpoints; \
-    chown app:app /cache/tiktoken /checkpoints
+    mkdir -p /cache/tiktoken /cache/compiled /checkpoints; \
+    chown app:app /cache/tiktoken /cache/compiled /checkpoints
 
 COPY --from=deps /opt/venv /opt/venv
 
@@ -114,7 +124,7 @@ RUN pip install --no-deps --no-build-isolation . ; \
 
 # Numeric uid:gid, so runtimes that enforce runAsNonRoot can verify it without /etc/passwd.
 USER 10001:10001
-VOLUME ["/cache/tiktoken"]
+VOLUME ["/cache/tiktoken", "/cache/compiled"]
 EXPOSE 8000
 
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \

@@ -13,6 +13,11 @@
 #                           builds passes certificate checks. These CA settings live ONLY in the stand-in,
 #                           never in the project's Dockerfile. The host's pip.conf is not needed (it only
 #                           adds local file:// indexes that do not exist inside containers).
+#                           Unlike the real image it has no Python headers (the real one ships
+#                           /usr/local/include/python3.11): inductor's run-time C++ compiles (GPT_COMPILE,
+#                           with the g++ the Dockerfile installs) do not need them -- checked: decode step
+#                           and attention compile, AVX-512 kernels -- but warn "Can't find Python.h" a few
+#                           times per start. Not worth python3-dev here; add it if that ever changes.
 #   * localhost/standin-debian:bookworm   the same rootfs, used as base of the stand-ins below.
 #   * prom/prometheus:latest STAND-IN: Debian's prometheus package (2.42) laid out like the upstream
 #                           image (/bin/prometheus entrypoint, user nobody, /prometheus volume).

@@ -267,7 +267,7 @@ def build_package(step: nn.Module, example: tuple, path: Path, store: Path) -> d
     if any(isinstance(m, Int4Linear) for m in step.modules()):  # aten's int4 kernel is its matmuls' only choice
         options["max_autotune_gemm_backends"] = "CPP,ATEN"  # (`_eager_int4_kernel`); its packed int4 weight is a
         # plain tensor, shared as any other
-    with torch.no_grad(), _eager_int4_kernel(), norms:
+    with torch.no_grad(), _eager_int4_kernel(), _templates_for_linears(), norms:
         ep = torch.export.export(step, example, strict=True)  # dynamo's tracing: model/linear.py's F.linear branch
         torch._inductor.aoti_compile_and_package(ep, package_path=str(pt2), inductor_configs=options)
     return unpack(pt2, path, store)
@@ -295,6 +295,22 @@ def _eager_int4_kernel():
     from torch._inductor import quantized_lowerings
 
     with mock.patch.object(quantized_lowerings, "use_cpp_gemm_template", lambda *args, **kwargs: False):
+        yield
+
+
+@contextlib.contextmanager
+def _templates_for_linears():
+    """The step's linears (fp32 / bf16, and int8 where inductor's u8 x s8 GEMM reproduces fbgemm's rounding) through
+    inductor's C++ GEMM templates even where the options offer ATen's kernels too (a verification pass's batched
+    matmuls, an int4 step's matmuls): ATen's oneDNN linear holds its packed weight as an opaque constant, which a
+    package cannot share (a blob of its own: GPT-2's 15 packages once held 0.63 GB each), and its int8 linear rounds
+    unlike fbgemm. Autotuning in a background compile beside a serving engine times noise: on a loaded Zen 4 it once
+    timed the C++ micro-kernel at 32 ms and chose oneDNN's. ATen's linear stays where no template fits. Patched for
+    the compiles of this module only, which hold COMPILE_LOCK (as `_eager_int4_kernel`)."""
+    import torch._inductor.lowering  # noqa: F401 - first: it imports the module below and registers its lowerings
+    from torch._inductor import mkldnn_lowerings
+
+    with mock.patch.object(mkldnn_lowerings, "use_aten_gemm_kernels", lambda: False):
         yield
 
 

@@ -677,17 +677,29 @@ def test_a_compile_leaves_nothing_in_inductor_s_own_cache_folder(monkeypatch, co
     assert {p.name for p in compile_cache.iterdir()} <= {core._compiled.folder.name, "kernels.json", ATTENTION}
 
 
-def test_packages_keep_one_copy_of_their_constants(tmp_path, monkeypatch):
+@pytest.mark.parametrize("positions", [1, 3])
+def test_packages_keep_one_copy_of_their_constants(tmp_path, monkeypatch, positions):
     """Real AOTInductor (the server's options) on a small module, two packages: their frozen constants go to one
     store, each distinct tensor once, the libraries hold none, and each step computes the module's output from the
-    shared copies (the same memory). The options allow inductor's own GEMMs only (CPU_OPTIONS): had autotuning
-    picked ATen's oneDNN linear, a package would hold an opaque constant and keep its own blob (a GPT-2 compile whose
-    autotuning timed ATen's 768x768 matmul faster by a hair: 15 packages of 0.63 GB each, all loaded)."""
+    shared copies (the same memory). The linears are offered inductor's own GEMMs only, for a decode step's one
+    position and for a verification pass's several (whose options offer ATen's GEMMs to its batched matmuls): had
+    autotuning picked ATen's oneDNN linear, a package would hold an opaque constant and keep its own blob (a GPT-2
+    compile whose autotuning timed ATen's 768x768 matmul faster by a hair: 15 packages of 0.63 GB each, all loaded;
+    a verification-shaped compile on a loaded Zen 4 whose autotuning timed the C++ micro-kernel at 32 ms). The
+    choices offered are recorded, so the test does not depend on what a timing picks."""
+    from torch._inductor import mkldnn_lowerings
+
+    offered: list[tuple[str, list[str]]] = []
+    select = mkldnn_lowerings.autotune_select_algorithm
+
+    def recording(name, choices, *args, **kwargs):
+        offered.append((name, [type(c).__name__ for c in choices]))
+        return select(name, choices, *args, **kwargs)
+
+    monkeypatch.setattr(mkldnn_lowerings, "autotune_select_algorithm", recording)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64)).eval()
-    # (1, 1, 64): one position, as a decode step's input; (1, 64) read as a verification pass of 64 positions, whose
-    # options offer ATen's GEMMs too, and on a loaded Zen 4 autotuning once timed inductor's micro-kernel at 32 ms
-    x = torch.randn(1, 1, 64)
+    x = torch.randn(1, positions, 64)
     store = tmp_path / cd.WEIGHTS
     store.mkdir()
     names = ["s0.so", "s1.so"]
@@ -702,6 +714,8 @@ def test_packages_keep_one_copy_of_their_constants(tmp_path, monkeypatch):
             assert torch.allclose(steps[name](x), net(x) + i, atol=1e-5)
     a, b = (steps[n].constants for n in names)
     assert {c: t.data_ptr() for c, t in a.items()} == {c: t.data_ptr() for c, t in b.items()}
+    linears = [kinds for name, kinds in offered if name.startswith("linear")]
+    assert len(linears) == 4 and all(kinds and "ExternKernelCaller" not in kinds for kinds in linears), offered
 
 
 @pytest.mark.parametrize("extern", [False, True])

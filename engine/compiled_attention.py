@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engine import compiled_decode
-from engine.compiled_decode import COMPILE_LOCK, code_digest, one_line, scratch_inductor_cache
+from engine.compiled_decode import COMPILE_LOCK, code_digest, one_line, probe_vec_isa, scratch_inductor_cache
 from engine.idle_job import IdleJob
 from model import decode_attention
 from model.cpu_support import cpu_flags
@@ -64,6 +64,7 @@ class AttentionBuild(IdleJob):
 
     def work(self):
         torch.set_num_threads(self._threads)  # a new thread starts with every core
+        probe_vec_isa(self.cache_dir)  # before the scratch folder: its builds kept (a load waited 11-22 s for them)
         # inductor's own cache folder for the compile, deleted after it: the package is the copy kept
         with scratch_inductor_cache(Path(tempfile.gettempdir())):
             return self._load_or_compile()

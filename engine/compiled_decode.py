@@ -273,6 +273,28 @@ def build_package(step: nn.Module, example: tuple, path: Path, store: Path) -> d
     return unpack(pt2, path, store)
 
 
+ISA_PROBE = "isa-probe"  # the compile cache's folder of inductor's vector-ISA probe builds (`probe_vec_isa`)
+
+
+def probe_vec_isa(cache_dir: Path) -> None:
+    """inductor's check of which vector ISAs this CPU and compiler run (a g++ build and a dlopen per ISA), made once a
+    process before loading or compiling (cached in the process), with its builds kept in the compile cache's
+    ISA_PROBE folder so that only a machine's first start builds them: inside a compile's scratch inductor cache every
+    start built them again, and loading a cached attention package (AOTInductor's `get_device_information`) waited
+    11-22 s for them at idle priority beside a serving engine on a 2-vCPU Zen 4 (the step's attention eager
+    meanwhile)."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    folder = cache_dir / ISA_PROBE
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only cache: the probe builds in the scratch folder as before
+        return
+    with temporary_cache_dir(str(folder)):
+        valid_vec_isa_list()
+
+
 @contextlib.contextmanager
 def scratch_inductor_cache(parent: Path):
     """inductor's cache folder for one compile of the packages, deleted after it: inductor keeps a copy of every
@@ -515,6 +537,7 @@ class CompiledDecode:
         with COMPILE_LOCK:
             t0 = time.perf_counter()
             try:
+                probe_vec_isa(self.cache_dir)
                 self.compile_all()
             except Exception as e:  # noqa: BLE001 - export / inductor raise many kinds; the engine stays eager
                 self.error = one_line(e)

@@ -494,7 +494,8 @@ def test_a_restart_loads_the_compiled_steps_from_the_cache_keyed_by_what_they_de
     first = make_core("on")
     assert first.stats()["compile_source"] == "compiled" and len(builds) == 5  # logits + 4 plain kinds
     # the steps' folders (beside engine.cpu_tuning's file and engine.compiled_attention's packages)
-    folders = lambda: [p for p in compile_cache.iterdir() if p.is_dir() and p.name != ATTENTION]  # noqa: E731
+    folders = lambda: [p for p in compile_cache.iterdir()  # noqa: E731
+               if p.is_dir() and p.name not in (ATTENTION, cd.ISA_PROBE)]
     assert [p.name for p in folders()] == [first._compiled.folder.name]  # a folder per key
     again = make_core("on")  # the same weights, CPU, threads and torch: loaded, not built
     assert again.stats()["compile_source"] == "cache" and len(builds) == 5 and again.stats()["compiled_decode"]
@@ -674,7 +675,43 @@ def test_a_compile_leaves_nothing_in_inductor_s_own_cache_folder(monkeypatch, co
     assert core.stats()["compile_source"] == "compiled" and len(seen) == len(built) == 5
     assert len(set(seen)) == 1 and Path(seen[0]).parent == compile_cache and not Path(seen[0]).exists()
     assert cache_dir() == before
-    assert {p.name for p in compile_cache.iterdir()} <= {core._compiled.folder.name, "kernels.json", ATTENTION}
+    assert {p.name for p in compile_cache.iterdir()} <= {core._compiled.folder.name, "kernels.json", ATTENTION,
+                                                          cd.ISA_PROBE}
+
+
+def test_inductor_s_isa_probe_is_built_once_a_machine(monkeypatch, tmp_path):
+    """inductor's vector-ISA check (a g++ build per ISA) keeps its builds in the compile cache's ISA_PROBE folder, so a
+    later process (a restart) builds none: inside a compile's scratch folder every start built them again, and a
+    cached attention package's load waited 11-22 s for them beside a serving engine."""
+    from torch._inductor import cpp_builder
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    before = cache_dir()
+    builds: list[str] = []
+    real = cpp_builder.CppBuilder.build
+
+    def counted(self):
+        builds.append(self.get_target_file_path())
+        return real(self)
+
+    monkeypatch.setattr(cpp_builder.CppBuilder, "build", counted)
+    first_list = valid_vec_isa_list()
+    try:
+        for start in range(2):  # two processes' first calls (the list is cached in a process)
+            valid_vec_isa_list.cache_clear()
+            for klass in {k for isa in first_list for k in type(isa).__mro__}:  # each ISA's checks, cached per class
+                for f in (klass.__dict__.get("__bool__"), klass.__dict__.get("_VecISA__bool__impl")):
+                    getattr(f, "cache_clear", lambda: None)()
+            cd.probe_vec_isa(tmp_path)
+            assert [str(i) for i in valid_vec_isa_list()] == [str(i) for i in first_list]
+            if start == 0:
+                assert builds and all(Path(b).is_relative_to(tmp_path / cd.ISA_PROBE) for b in builds)
+                first_builds = len(builds)
+        assert len(builds) == first_builds  # the second process built nothing
+    finally:
+        valid_vec_isa_list.cache_clear()
+    assert cache_dir() == before
 
 
 @pytest.mark.parametrize("positions", [1, 3])

@@ -289,10 +289,15 @@ def probe_vec_isa(cache_dir: Path) -> None:
     folder = cache_dir / ISA_PROBE
     try:
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError:  # a read-only cache: the probe builds in the scratch folder as before
+    except OSError:
         return
-    with temporary_cache_dir(str(folder)):
-        valid_vec_isa_list()
+    if not os.access(folder, os.W_OK | os.X_OK):  # a read-only cache: the check builds in the scratch folder as before
+        return
+    try:
+        with temporary_cache_dir(str(folder)):
+            valid_vec_isa_list()
+    except OSError:  # the folder could not be written after all: nothing was cached, the next call checks again
+        return
 
 
 @contextlib.contextmanager

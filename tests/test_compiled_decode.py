@@ -695,8 +695,10 @@ def test_inductor_s_isa_probe_is_built_once_a_machine(monkeypatch, tmp_path):
         builds.append(self.get_target_file_path())
         return real(self)
 
+    first_list = valid_vec_isa_list()  # (where this process checked first: not counted)
+    if not first_list:
+        pytest.skip("inductor finds no vector ISA to check on this CPU")
     monkeypatch.setattr(cpp_builder.CppBuilder, "build", counted)
-    first_list = valid_vec_isa_list()
     try:
         for start in range(2):  # two processes' first calls (the list is cached in a process)
             valid_vec_isa_list.cache_clear()
@@ -712,6 +714,19 @@ def test_inductor_s_isa_probe_is_built_once_a_machine(monkeypatch, tmp_path):
     finally:
         valid_vec_isa_list.cache_clear()
     assert cache_dir() == before
+
+
+def test_a_read_only_compile_cache_leaves_inductor_s_isa_check_where_it_was(monkeypatch, tmp_path):
+    """A compile cache the server cannot write (a read-only volume): no isa-probe folder is used and the check is
+    left to run where it ran before (the compile's scratch folder), instead of failing the attention's build."""
+    from torch._inductor import cpu_vec_isa
+
+    def refused():
+        raise AssertionError("checked in a folder that cannot be written")
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", refused)
+    monkeypatch.setattr(cd.os, "access", lambda path, mode: False)
+    cd.probe_vec_isa(tmp_path)  # returns without checking
 
 
 @pytest.mark.parametrize("positions", [1, 3])

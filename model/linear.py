@@ -11,8 +11,10 @@ the layout its kernel reads (gpt-fast's quantize.py: `WeightOnlyInt8Linear` swap
 - `Int8Linear`    int8 per output channel (symmetric, scale = max|w| / 127). On a CPU with fbgemm (x86), the weight
                   goes to fbgemm's packed int8 layout and activations are quantized per call (dynamic W8A8, as
                   llama.cpp's q8_0 dot product quantizes its activations); elsewhere the weight-only kernel.
-- `Int4Linear`    int4 in groups along the input (asymmetric: scale and zero point per group of 32-256), through
-                  PyTorch's `_weight_int4pack_mm_for_cpu` (bf16 activations) or `_weight_int4pack_mm` on CUDA.
+- `Int4Linear`    int4 in groups along the input (asymmetric: scale and zero point per group of 32-256). On a CPU
+                  through model/int4_kernel.py (each row quantized to int8 in blocks of 32, integer dot products, as
+                  llama.cpp's q4_0 x q8_0; aten's `_weight_int4pack_mm_for_cpu`, bf16 activations, where that
+                  kernel cannot be built), on CUDA through `_weight_int4pack_mm`.
 - `traceable()`   each quantized module's twin for a compiled decode step (engine/compiled_decode.py): `Int8Traced`
                   (fbgemm's arithmetic as the quantization ops inductor fuses into its int8 GEMM; CPUs with int8 dot
                   products), `Int8Extern` (the ops around the matmul, fbgemm's kernel called from the step; other
@@ -21,7 +23,7 @@ the layout its kernel reads (gpt-fast's quantize.py: `WeightOnlyInt8Linear` swap
 Measured with `bench/kernels.py` (the table is in docs/performance.md): on an AVX-512 CPU oneDNN's packed copy
 beats MKL at every row count (a column-major copy for MKL's GEMV, which an Intel Xeon ran faster at one row, is
 made only where `tune` measures it faster: one copy by default), the int8 kernel is fbgemm's at every row count,
-and int4 is fastest up to a few rows but slower than int8 from ~8 rows.
+and int4's own kernel (model/int4_kernel.py) beats aten's at 1 to 512 rows (GPT-2's shapes).
 `tune(model)` times the small-row choice per weight shape at warm-up (the engine's), never on a request.
 
 The tied output head / embedding: quantized formats keep it in int8 per row (one int8 table: the embedding reads
@@ -48,7 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import cpu_support
+from model import cpu_support, int4_kernel
 
 FORMATS = ("none", "int8", "int4")
 INT4_GROUPS = (32, 64, 128, 256)
@@ -452,7 +454,9 @@ class Int8Extern(_Served):
 
 
 class Int4Linear(_Served):
-    """int4 weights in groups along the input, packed for PyTorch's int4 kernels (bf16 activations)."""
+    """int4 weights in groups along the input: on a CPU our int4 x int8 kernel's layout (`model.int4_kernel`; a row's
+    outputs the same bits alone or among others, eager or compiled), else packed for PyTorch's int4 kernels (bf16
+    activations)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype, group: int) -> None:
@@ -460,7 +464,14 @@ class Int4Linear(_Served):
         self.out_features, self.in_features = q.shape
         self.group, self.dtype = group, dtype
         self.bias = None if bias is None else bias.detach().to(torch.float32, copy=True)
-        # (in/group, out, 2): scale and zero of each group, the kernels' layout
+        self.kernel = (q.device.type == "cpu" and int4_kernel.supports(self.out_features, self.in_features)
+                       and int4_kernel.available())
+        if self.kernel:
+            self.packed = int4_kernel.pack(q)
+            # (in/group, out) each, bf16 (as aten's layout rounds them): the kernel's
+            self.scales_zeros = torch.stack([scale.t(), zero.t()]).to(torch.bfloat16).contiguous()
+            return
+        # (in/group, out, 2): scale and zero of each group, aten's layout
         self.scales_zeros = torch.stack([scale.t(), zero.t()], -1).contiguous().to(torch.bfloat16)
         if q.device.type == "cpu":
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
@@ -470,7 +481,7 @@ class Int4Linear(_Served):
             self.packed = torch.ops.aten._convert_weight_to_int4pack(packed, int4_inner_k_tiles(self.in_features))
 
     def matrix_bytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.nbytes
 
     def traceable(self) -> Int4Traced:
         """This layer with its tensors as buffers, the form a compiler reads (engine/compiled_decode.py)."""
@@ -478,11 +489,15 @@ class Int4Linear(_Served):
 
     def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        if x.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_zeros)
+        if self.kernel:
+            y = torch.ops.gpt_serve.int4_matmul(x.reshape(-1, shape[-1]).float(), self.packed, self.scales_zeros[0],
+                                                self.scales_zeros[1], self.group)
         else:
-            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group, self.scales_zeros)
+            x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+            if x.device.type == "cpu":
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_zeros)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group, self.scales_zeros)
         y = y.float() if self.bias is None else y.float() + self.bias
         return _act(y.reshape(*shape[:-1], self.out_features).to(x.dtype), act)
 
@@ -494,6 +509,7 @@ class Int4Traced(Int4Linear):
         _Served.__init__(self)
         self.out_features, self.in_features, self.group, self.dtype = (layer.out_features, layer.in_features,
                                                                        layer.group, layer.dtype)
+        self.kernel = layer.kernel
         self.register_buffer("packed", layer.packed)
         self.register_buffer("scales_zeros", layer.scales_zeros)
         self.register_buffer("bias", layer.bias)

@@ -1,15 +1,16 @@
 // int4 weights x int8 activations, one row at a time: what model/int4_kernel.py builds and calls for Int4Linear on
 // a CPU (llama.cpp's q4_0 x q8_0 dot product, in our int4 format: asymmetric groups of 32-256, w = (q - 8) s + z).
 //
-// Scales and zero points are bf16 (as aten's int4 layout keeps them). Each row of x is quantized to int8 in blocks of 32 inputs (symmetric: d = max|x| / 127). Every block's integer
-// dot products with 16 outputs' nibbles are exact (int32); the block then adds d (S - 8 sum(xq)) s + d sum(xq) z to
-// each output's fp32 sum, blocks in order. So a row's outputs are the same bits whatever the ISA path (AVX-512 VNNI,
+// Scales and zero points are bf16 (as aten's int4 layout keeps them). Each row of x is quantized to int8 in blocks
+// of 32 inputs (symmetric: d = max|x| / 127). Every block's integer dot products with 16 outputs' nibbles are exact
+// (int32); the block then adds d (S - 8 sum(xq)) s + d sum(xq) z to each output's fp32 sum, blocks in order. So a row's outputs are the same bits whatever the ISA path (AVX-512 VNNI,
 // AVX2, scalar: the same fp32 operations in the same order, fused where the scalar path calls fmaf), the number of
 // rows beside it and the threads: a seeded request draws the same tokens alone or in a batch, eager or compiled.
 //
 // Weight layout (`pack` in model/int4_kernel.py): outputs in blocks of 16; per block, K/32 input blocks of 256 bytes,
 // 4 tiles of 64: tile t holds inputs 8t..8t+7 of the block, byte 4n + i is output n's inputs 8t + i (low nibble) and
 // 8t + 4 + i (high nibble), the operand layout of vpdpbusd (4 bytes a 32-bit lane, one lane an output).
+// x86-64 only (immintrin.h): elsewhere the build fails and Int4Linear keeps aten's kernel (model/int4_kernel.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

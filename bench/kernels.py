@@ -7,7 +7,8 @@ decode step does (so no weight is hot in cache), at each row count: the median o
 in ms per pass. The variants are the candidates model/linear.py chooses between: fp32 through MKL (plain and
 column-major weight) and oneDNN's packed copy, bf16 through oneDNN, int8 weight-only (PyTorch's
 `_weight_int8pack_mm`), int8 through fbgemm with per-row-normalised activations (`Int8Linear`), int4 through
-`_weight_int4pack_mm_for_cpu` in groups of 32 and 128. Each variant's relative error against fp32 is reported too.
+`Int4Linear` in groups of 32 and 128 (model/int4_kernel.py) and, in groups of 32, aten's
+`_weight_int4pack_mm_for_cpu` that it replaced. Each variant's relative error against fp32 is reported too.
 Results: bench/results/<out>.json with the CPU's flags (the choice is per CPU: AVX-512, avx512_bf16, AMX, VNNI).
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from unittest import mock
 from typing import Any
 
 from bench.common import env_info, set_threads, write_result
@@ -26,6 +28,7 @@ def variants(C: int = 768):
     import torch.nn.functional as F
 
     import model.linear as L
+    from model import int4_kernel
     from model.cpu_support import support
 
     torch.manual_seed(0)
@@ -58,6 +61,11 @@ def variants(C: int = 768):
     for g in (32, 128):
         v[f"int4 g{g} (Int4Linear)"] = (
             [L.Int4Linear(*L.quantize_int4(lin.weight, g), lin.bias, torch.float32, g) for lin in lins], torch.float32)
+    if v["int4 g32 (Int4Linear)"][0][0].kernel:  # what Int4Linear ran before model/int4_kernel.py: aten's bf16 kernel
+        with mock.patch.object(int4_kernel, "available", lambda: False):
+            v["int4 g32 (aten's bf16 kernel)"] = (
+                [L.Int4Linear(*L.quantize_int4(lin.weight, 32), lin.bias, torch.float32, 32) for lin in lins],
+                torch.float32)
     return shapes, lins, v
 
 

@@ -23,7 +23,8 @@ the layout its kernel reads (gpt-fast's quantize.py: `WeightOnlyInt8Linear` swap
 Measured with `bench/kernels.py` (the table is in docs/performance.md): on an AVX-512 CPU oneDNN's packed copy
 beats MKL at every row count (a column-major copy for MKL's GEMV, which an Intel Xeon ran faster at one row, is
 made only where `tune` measures it faster: one copy by default), the int8 kernel is fbgemm's at every row count,
-and int4's own kernel (model/int4_kernel.py) beats aten's at 1 to 512 rows (GPT-2's shapes).
+and int4's own kernel (model/int4_kernel.py) matches aten's at one row read from memory and beats it from 4 rows
+(1.5x at 16, 1.7x at 64), though fbgemm's int8 is faster than either from 16 rows.
 `tune(model)` times the small-row choice per weight shape at warm-up (the engine's), never on a request.
 
 The tied output head / embedding: quantized formats keep it in int8 per row (one int8 table: the embedding reads

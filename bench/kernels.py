@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-from unittest import mock
 from typing import Any
+from unittest import mock
 
 from bench.common import env_info, set_threads, write_result
 

@@ -79,6 +79,7 @@ def load_model(cfg: CoreConfig, before_timing=None):
     with a one-line reason on failure. `before_timing`: as build_core's, before the auto dtype's timing."""
     import torch
 
+    from model import int4_kernel
     from model.checkpoint import CheckpointError, load_checkpoint
     from model.device import resolve_device, resolve_dtype
 
@@ -103,6 +104,8 @@ def load_model(cfg: CoreConfig, before_timing=None):
         # stream and memory pool, cuBLAS workspaces, torch.cuda.synchronize()) lands there, not on GPU 0
         torch.cuda.set_device(device)
     check_fits(cfg, device, dtype)
+    if cfg.compile_cache:  # our int4 kernel, built once a machine (a quantized checkpoint loads through it), beside
+        int4_kernel.use_folder(Path(cfg.compile_cache) / "kernels")  # the steps (else model.int4_kernel's default)
     try:
         ckpt = load_checkpoint(cfg.checkpoint, device=device, dtype=dtype)
     except CheckpointError as e:
@@ -276,7 +279,12 @@ def cpu_report(dtype, quantize: str) -> tuple[dict, str | None]:
         note = (f"{name} weights run through plain F.linear: this CPU (ATen {cpu.capability}) has no native {name} "
                 f"matmul (bf16 needs avx512_bf16 or amx_bf16 and {cpu_support.PACKED_BF16_NEEDS}; fp16 avx512_fp16), "
                 f"so it is slower than --dtype fp32 or --quantize int8 here")
-    return cpu.describe(), note
+    described = cpu.describe()
+    if quantize == "int4":  # the path int4 layers take here (model/int4_kernel.py), "none": aten's bf16 kernel
+        from model import int4_kernel
+
+        described["int4_kernel"] = int4_kernel.isa()
+    return described, note
 
 
 def speculation(cfg: CoreConfig, ckpt, device, dtype):

@@ -32,13 +32,21 @@ BLOCK = 32  # inputs per int8 activation block (the C++ QB)
 ISA = {1: "scalar", 2: "avx2", 3: "avx512_vnni"}
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
+_folder: Path | None = None  # the server's choice (`use_folder`)
+
+
+def use_folder(folder: str | Path) -> None:
+    """Keep the built library in `folder` (the engine passes its compile cache's `kernels/`), from the next load on."""
+    global _folder
+    _folder = Path(folder)
 
 
 def cache_dirs() -> list[Path]:
-    """Where the built library may be kept: GPT_KERNEL_CACHE, the compile cache's `kernels/`, the user's cache."""
+    """Where the built library may be kept, in order: GPT_KERNEL_CACHE, the server's folder (`use_folder`), the
+    user's cache; a folder that cannot be written passes to the next."""
     dirs = [Path(os.environ["GPT_KERNEL_CACHE"])] if os.environ.get("GPT_KERNEL_CACHE") else []
-    if os.environ.get("GPT_COMPILE_CACHE"):
-        dirs.append(Path(os.environ["GPT_COMPILE_CACHE"]) / "kernels")
+    if _folder is not None:
+        dirs.append(_folder)
     dirs.append(Path.home() / ".cache" / "gpt-serve" / "kernels")
     return dirs
 
@@ -52,6 +60,10 @@ def _command(src: Path, out: str) -> list[str]:
             + [f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10"])
 
 
+class BuildError(Exception):
+    """The compiler is missing or failed (a folder's own errors are OSError)."""
+
+
 def _build(source: bytes, target: Path) -> None:
     """Compile to a temporary file beside `target`, then rename it into place (another process may build too)."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -60,7 +72,12 @@ def _build(source: bytes, target: Path) -> None:
     src = Path(tmp).with_suffix(".cpp")
     try:
         src.write_bytes(source)
-        subprocess.run(_command(src, tmp), check=True, capture_output=True, timeout=600)
+        command = _command(src, tmp)
+        try:
+            subprocess.run(command, check=True, capture_output=True, timeout=600)
+        except (OSError, subprocess.SubprocessError) as e:  # OSError here: no such compiler
+            err = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
+            raise BuildError(f"{command[0]}: {e}{': ' + err[-1] if err else ''}") from None
         os.replace(tmp, target)
     finally:
         for p in (Path(tmp), src):
@@ -92,9 +109,11 @@ def available() -> bool:
                 _register_fake()
                 _loaded = True
                 return True
-            except (OSError, subprocess.SubprocessError) as e:
-                err = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
-                errors.append(f"{folder}: {e}{': ' + err[-1] if err else ''}")
+            except BuildError as e:  # the compiler's error: another folder would fail alike
+                errors.append(str(e))
+                break
+            except OSError as e:  # the folder (not writable) or the file (unreadable, not a library): the next one
+                errors.append(f"{folder}: {e}")
         log.warning("int4 kernel unavailable (int4 layers use aten's bf16 kernel): %s", "; ".join(errors))
         _loaded = False
         return False

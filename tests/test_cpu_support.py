@@ -106,6 +106,10 @@ def test_the_start_up_report_names_a_16_bit_dtype_without_native_kernels(monkeyp
     assert cpu["packed_bf16"] is False and "no native bf16 matmul" in note and "--quantize int8" in note
     assert cpu_report(torch.float32, "none")[1] is None
     assert cpu_report(torch.bfloat16, "int8")[1] is None  # quantized layers run their own kernels
+    from model import int4_kernel
+
+    assert cpu_report(torch.float32, "int4")[0]["int4_kernel"] == int4_kernel.isa()  # /info names int4's path
+    assert "int4_kernel" not in cpu_report(torch.float32, "int8")[0]
     force_cpu(monkeypatch, flags=frozenset({"avx512_bf16"}), packed_bf16=True)
     assert cpu_report(torch.bfloat16, "none")[1] is None
 

@@ -56,3 +56,15 @@ def test_load_model_makes_cuda_n_the_current_device(monkeypatch, name, current):
     ckpt, device, dtype, _ = load_model(CoreConfig(checkpoint="unused", device=name))
     assert device == torch.device(name) and ckpt == ("ckpt", device)
     assert made == ([current] if current is not None else [])
+
+
+def test_load_model_keeps_the_int4_kernel_in_the_compile_cache(monkeypatch, tmp_path):
+    # `--compile-cache DIR` (not only GPT_COMPILE_CACHE) is where a server builds our int4 kernel once a machine
+    import model.checkpoint
+    from model import int4_kernel
+
+    monkeypatch.setattr(int4_kernel, "_folder", None)
+    monkeypatch.delenv("GPT_KERNEL_CACHE", raising=False)
+    monkeypatch.setattr(model.checkpoint, "load_checkpoint", lambda path, device, dtype: "ckpt")
+    load_model(CoreConfig(checkpoint="unused", device="cpu", compile_cache=str(tmp_path)))
+    assert int4_kernel.cache_dirs()[0] == tmp_path / "kernels"

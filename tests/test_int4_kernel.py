@@ -132,3 +132,11 @@ def test_without_a_compiler_int4_layers_keep_aten_s_kernel_and_say_so(tmp_path):
     assert "kernel False none" in out.stdout and "close True" in out.stdout, out.stderr
     assert "int4 kernel unavailable (int4 layers use aten's bf16 kernel)" in out.stderr
     assert out.stderr.count("int4 kernel unavailable") == 1
+    assert out.stderr.count("No such file") == 1  # a compiler's error is not tried again in the next folder
+
+
+def test_a_folder_that_cannot_be_written_passes_to_the_next(tmp_path):
+    (tmp_path / "file").write_text("")  # GPT_KERNEL_CACHE names a file: no folder can be made there
+    out = run_fresh({"GPT_KERNEL_CACHE": str(tmp_path / "file"), "HOME": str(tmp_path)})
+    assert "kernel True" in out.stdout, out.stderr
+    assert len(list((tmp_path / ".cache" / "gpt-serve" / "kernels").glob("int4-*.so"))) == 1

@@ -41,6 +41,52 @@ void quantize_row(const float* x, int K, int8_t* xq, float* xd, int32_t* xs) {
     }
 }
 
+// the same quantization through vectors (a libm call an input cost GPT-2's 3,072-wide rows ~12 us serially): the
+// block's max |x|, x * (127 / max) rounded to nearest even by the MXCSR's default mode as nearbyintf rounds, exact sums
+__attribute__((target("avx512f"))) void quantize_row_avx512(const float* x, int K, int8_t* xq, float* xd,
+                                                            int32_t* xs) {
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+    for (int b = 0; b < K / QB; ++b) {
+        const __m512 a0 = _mm512_loadu_ps(x + b * QB), a1 = _mm512_loadu_ps(x + b * QB + 16);
+        const __m512 m = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a0), abs_mask)),
+                                       _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a1), abs_mask)));
+        const float amax = _mm512_reduce_max_ps(m);
+        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, vid));
+        _mm_storeu_si128((__m128i*)(xq + b * QB), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(xq + b * QB + 16), _mm512_cvtsepi32_epi8(q1));
+        xd[b] = d;
+        xs[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+}
+
+__attribute__((target("avx2"))) void quantize_row_avx2(const float* x, int K, int8_t* xq, float* xd, int32_t* xs) {
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+    for (int b = 0; b < K / QB; ++b) {
+        __m256 a[4], m = _mm256_setzero_ps();
+        for (int j = 0; j < 4; ++j) {
+            a[j] = _mm256_loadu_ps(x + b * QB + 8 * j);
+            m = _mm256_max_ps(m, _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(a[j]), abs_mask)));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m);
+        float amax = 0.f;
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, lanes[i]);
+        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        const __m256 vid = _mm256_set1_ps(id);
+        int32_t q[QB];
+        for (int j = 0; j < 4; ++j) _mm256_storeu_si256((__m256i*)(q + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(a[j], vid)));
+        int32_t s = 0;
+        for (int i = 0; i < QB; ++i) {
+            xq[b * QB + i] = (int8_t)q[i];
+            s += q[i];
+        }
+        xd[b] = d;
+        xs[b] = s;
+    }
+}
+
 // one block of 16 outputs, scalar: the reference the vector paths equal bit for bit
 inline float bf16(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -168,7 +214,9 @@ static void int4_rows(const float* x, const uint8_t* w, const uint16_t* sc, cons
     int8_t* xq = (int8_t*)work;
     float* xd = (float*)(xq + (long)M * K);
     int32_t* xs = (int32_t*)(xd + (long)M * nq);
-    for (int m = 0; m < M; ++m) quantize_row(x + (long)m * K, K, xq + (long)m * K, xd + (long)m * nq, xs + (long)m * nq);
+    void (*quantize)(const float*, int, int8_t*, float*, int32_t*) =
+        isa == 3 ? quantize_row_avx512 : isa == 2 ? quantize_row_avx2 : quantize_row;
+    for (int m = 0; m < M; ++m) quantize(x + (long)m * K, K, xq + (long)m * K, xd + (long)m * nq, xs + (long)m * nq);
     const long bstride = (long)nq * 256;  // bytes of one block of 16 outputs
     const int blocks = N / 16, NB = 4, chunks = (blocks + NB - 1) / NB;
 #pragma omp parallel for num_threads(threads) schedule(static)

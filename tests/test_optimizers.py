@@ -267,8 +267,12 @@ DDP_STEPS = textwrap.dedent("""
         opt.zero_grad(set_to_none=True)
     torch.save(model.state_dict(), sys.argv[1] + f".rank{rank}")
     dist.barrier()  # neither rank tears gloo down while the other still talks to it
+    open(sys.argv[1] + f".done{rank}", "w").close()  # both ranks trained and saved (the test reads this)
     dist.destroy_process_group()
 """)
+# gloo's teardown after a barrier still aborted a rank once in a CI run (a joinable C++ thread destroyed: "terminate
+# called without an active exception"; pytorch/pytorch#179291 discusses it), after both ranks had saved their weights
+GLOO_TEARDOWN = "terminate called without an active exception"
 
 
 def test_two_gloo_processes_with_muon_equal_one_process_on_the_whole_batch(tmp_path):
@@ -285,7 +289,9 @@ def test_two_gloo_processes_with_muon_equal_one_process_on_the_whole_batch(tmp_p
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(script), str(tmp_path / "data.pt"), *overrides], cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    both_done = all((tmp_path / f"data.pt.done{r}").exists() for r in (0, 1))
+    # only that abort, and only once both ranks are done, passes: any other failure fails the test
+    assert proc.returncode == 0 or (both_done and GLOO_TEARDOWN in proc.stderr), proc.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"data.pt.rank{r}") for r in (0, 1))
     assert all(torch.equal(r0[k], r1[k]) for k in r0)  # replicas stay identical
 

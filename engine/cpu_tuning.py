@@ -31,7 +31,8 @@ BF16_SPEEDUP = 1.15  # bf16 must beat fp32 by this much at 1 and at 16 rows to b
 
 def serving_dtype(cfg, device, dtype, before_timing=None) -> tuple[Any, dict | None]:
     """The dtype a server computes in (`cfg`: an engine.build.CoreConfig), and why. `--dtype auto` on a CPU serving
-    unquantized weights is bf16 where the CPU computes bf16 natively (avx512_bf16 or AMX in its flags) and a one-off
+    unquantized weights is fp32 for a small model whose step `--compile` compiles (`compiles_small_fp32`), else bf16
+    where the CPU computes bf16 natively (avx512_bf16 or AMX in its flags) and a one-off
     timing at load finds the model's widest matmul (n_embd → 4·n_embd, oneDNN's packed weight) at least 1.15x faster
     in bf16 at 1 and at 16 rows; else fp32 (the reference): on an AVX2-only CPU oneDNN emulates bf16 and it is slower
     (docs/api.md, "Formats per CPU"). The choice is made once per machine and shape and kept on disk with the kernel
@@ -52,6 +53,11 @@ def serving_dtype(cfg, device, dtype, before_timing=None) -> tuple[Any, dict | N
         n_embd = read_config(cfg.checkpoint).n_embd
     except Exception:  # noqa: BLE001 - loading reports what is wrong with the checkpoint, in its words
         return dtype, None
+    if compiles_small_fp32(cfg):
+        # only fp32 steps are compiled by auto (engine.compiled_decode.resolve_mode), and a small model's compiled
+        # fp32 step beats its eager bf16 one (the bundled model on a Zen 4: docs/performance.md, session 33)
+        return torch.float32, {"picked": "fp32", "why": "a small model's decode step is compiled in fp32 "
+                                                        "(--compile); in bf16 it would decode eagerly, slower"}
     key = (n_embd, torch.get_num_threads())
     if key not in _DTYPE_CHOICES:
         cpu = cpu_support.support()
@@ -74,6 +80,23 @@ def serving_dtype(cfg, device, dtype, before_timing=None) -> tuple[Any, dict | N
             _DTYPE_CHOICES[key] = (DTYPES[picked], {"picked": picked, "cpu_flags": native, "kept": False,
                 "ms": {name: {str(r): round(t, 4) for r, t in v.items()} for name, v in ms.items()}})
     return _DTYPE_CHOICES[key]
+
+
+def compiles_small_fp32(cfg) -> bool:
+    """Whether `--compile` would compile this checkpoint's fp32 decode step and the model is small (at most
+    AUTO_MAX_BLOCK_PARAMS in its blocks), where the compiled step's saving of per-op cost outweighs bf16's halved
+    bytes. Larger models keep the bf16 timing (bf16 halves what a memory-bound step reads)."""
+    if cfg.compile == "off":
+        return False
+    from engine.compiled_decode import AUTO_MAX_BLOCK_PARAMS
+    from model.checkpoint_info import read_config
+    from model.gpt import GPT
+
+    try:
+        config = read_config(cfg.checkpoint)
+    except Exception:  # noqa: BLE001 - loading reports what is wrong with the checkpoint
+        return False
+    return sum(p.numel() for p in GPT.skeleton(config).transformer.h.parameters()) <= AUTO_MAX_BLOCK_PARAMS
 
 
 def core_threads(cfg) -> int:

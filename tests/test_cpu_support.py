@@ -94,7 +94,8 @@ def test_auto_dtype_needs_packing_as_well_as_the_flags(monkeypatch):
     monkeypatch.setattr(ct, "_DTYPE_CHOICES", {})
     monkeypatch.setattr(model.linear, "time_dtypes", lambda *a: pytest.fail("timed bf16 where it cannot pack"))
     force_cpu(monkeypatch, flags=frozenset({"avx2", "avx512_bf16"}), packed_bf16=False)  # e.g. ONEDNN_MAX_CPU_ISA
-    dtype, why = ct.serving_dtype(CoreConfig(checkpoint=str(BUNDLED)), torch.device("cpu"), torch.float32)
+    dtype, why = ct.serving_dtype(CoreConfig(checkpoint=str(BUNDLED), compile="off"), torch.device("cpu"),
+                                  torch.float32)
     assert dtype == torch.float32 and "does not pack bf16" in why["why"]
 
 

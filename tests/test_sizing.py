@@ -203,6 +203,7 @@ def test_bad_format_settings_are_one_line_errors():
 def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(monkeypatch, tmp_path):
     import engine.cpu_tuning as ct
     import model.linear
+    from engine import compiled_decode
     from tests.helpers import force_cpu
 
     ckpt = str(Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare")
@@ -212,12 +213,13 @@ def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(monke
     cases = [(set(), fast, torch.float32), ({"avx2", "avx512_bf16"}, fast, torch.bfloat16),
              ({"amx_bf16"}, slow, torch.float32)]
 
-    def choose(flags, times, machine):  # a new process on `machine` (its compile cache's folder)
+    def choose(flags, times, machine, compile="off"):  # a new process on `machine` (its compile cache's folder);
+        # compile off: the timing decides where no compiled fp32 step would serve (at the end: where one would)
         monkeypatch.setattr(ct, "_DTYPE_CHOICES", {})
         force_cpu(monkeypatch, flags=frozenset(flags), packed_bf16=True)
         monkeypatch.setattr(model.linear, "time_dtypes", lambda i, o, t=times: timed.append((i, o)) or t)
-        return ct.serving_dtype(CoreConfig(checkpoint=ckpt, compile_cache=str(tmp_path / machine)), CPU,
-                                torch.float32)
+        return ct.serving_dtype(CoreConfig(checkpoint=ckpt, compile_cache=str(tmp_path / machine), compile=compile),
+                                CPU, torch.float32)
 
     for i, (flags, times, want) in enumerate(cases):
         dtype, why = choose(flags, times, str(i))
@@ -235,8 +237,15 @@ def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(monke
     for _ in range(2):
         monkeypatch.setattr(ct, "_DTYPE_CHOICES", {})
         monkeypatch.setattr(model.linear, "time_dtypes", lambda i, o: events.append("timed") or fast)
-        ct.serving_dtype(CoreConfig(checkpoint=ckpt, compile_cache=str(tmp_path / "3")), CPU, torch.float32,
-                         lambda: events.append("wait"))
+        ct.serving_dtype(CoreConfig(checkpoint=ckpt, compile_cache=str(tmp_path / "3"), compile="off"), CPU,
+                         torch.float32, lambda: events.append("wait"))
     assert events == ["wait", "timed"]
     for cfg in (CoreConfig(checkpoint=ckpt, dtype="fp32"), CoreConfig(checkpoint=ckpt, quantize="int8")):
         assert ct.serving_dtype(cfg, CPU, torch.float32) == (torch.float32, None)  # asked for, or quantized
+    # --compile auto / on (the default): the bundled model's step is compiled in fp32 only, which beats an eager bf16
+    # step, so fp32 without a timing even where bf16 was kept, and a larger model (here: a lower limit) is timed
+    for compile in ("auto", "on"):
+        dtype, why = choose({"avx512_bf16"}, fast, "1", compile)
+        assert dtype == torch.float32 and "compiled in fp32" in why["why"] and len(timed) == 3
+    monkeypatch.setattr(compiled_decode, "AUTO_MAX_BLOCK_PARAMS", 1000)
+    assert choose({"avx512_bf16"}, fast, "4", "auto")[0] == torch.bfloat16 and len(timed) == 4

@@ -71,6 +71,10 @@ SERVERS: dict[str, dict[str, Any]] = {
     "ours-eager": {"kind": "ours", "speculative": "off", "args": ["--compile", "off"]},
     "ours-ngram-eager": {"kind": "ours", "speculative": "ngram", "args": ["--compile", "off"]},
     "ours-ngram-auto": {"kind": "ours", "speculative": "ngram", "default_threads": True},
+    # what `python -m app --checkpoint DIR` serves: every setting at its default (--dtype auto, threads, compile)
+    "ours-default": {"kind": "ours", "speculative": "off", "default_threads": True, "default_dtype": True},
+    # bf16 weights (until session 33, --dtype auto's pick for the bundled model on avx512_bf16 hosts), eager
+    "ours-bf16": {"kind": "ours", "speculative": "off", "args": ["--dtype", "bf16"]},
     "llama-off": {"kind": "llama", "args": ["--spec-type", "none"]},
     "llama-ngram": {"kind": "llama", "args": LLAMA_NGRAM},
     "llama-ngram-defaults": {"kind": "llama", "args": LLAMA_NGRAM_DEFAULTS},
@@ -171,11 +175,12 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], max_other_cpu: float | No
         for ours in ("ours-ngram-k15", "ours-ngram-auto"):
             if (r := paired(ours, peer)) is not None:
                 out["ratios"][f"{ours} / {peer}"] = r
-    for ours in ("ours-off", "ours-off-auto"):
+    for ours in ("ours-off", "ours-off-auto", "ours-default", "ours-bf16"):
         if (r := paired(ours, "llama-off")) is not None:
             out["ratios"][f"{ours} / llama-off"] = r
-    if (r := paired("ours-off-auto", "ours-off")) is not None:
-        out["ratios"]["ours-off-auto / ours-off"] = r
+    for a, b in (("ours-off-auto", "ours-off"), ("ours-default", "ours-bf16")):
+        if (r := paired(a, b)) is not None:
+            out["ratios"][f"{a} / {b}"] = r
     if best is not None:
         out["goal"] = {"what": "copy-heavy batch-1 greedy decode, ours with speculation >= 1.0x llama-server with "
                                "its speculation (the better of its configurations), same run",
@@ -217,8 +222,9 @@ def command(name: str, port: int, threads: int, checkpoint: Path, gguf: Path, ll
     if spec["kind"] == "ours":
         argv, env = server_command("ours", port, threads, paths)
         if spec.get("default_threads"):
-            i = argv.index("--torch-threads")
-            argv = argv[:i] + argv[i + 2:]
+            argv = drop_arg(argv, "--torch-threads")
+        if spec.get("default_dtype"):
+            argv = drop_arg(argv, "--dtype")
         return [*argv, "--speculative", spec["speculative"], *spec.get("args", [])], env
     argv, env = server_command("llama-f32", port, threads, paths)
     argv = set_arg(set_arg(argv, "-c", str(CONTEXT)), "-np", "1")

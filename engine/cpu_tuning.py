@@ -96,6 +96,8 @@ def compiles_small_fp32(cfg) -> bool:
         config = read_config(cfg.checkpoint)
     except Exception:  # noqa: BLE001 - loading reports what is wrong with the checkpoint
         return False
+    # counted as engine.compiled_decode.resolve_mode counts it; not shared through a helper there because any code
+    # change to that file re-keys every compiled package (a ~10-minute GPT-2 recompile a format at the next start)
     return sum(p.numel() for p in GPT.skeleton(config).transformer.h.parameters()) <= AUTO_MAX_BLOCK_PARAMS
 
 
